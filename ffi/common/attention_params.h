@@ -1,0 +1,118 @@
+/*! \file attention_params.h
+    \brief Plain-data description of one attention call, shared by the FFI glue, the CPU
+           kernels and the Hopper kernels. No XLA and no CuTe types live here, so every
+           layer can include it.
+
+    Layout conventions (all row-major, as XLA hands buffers to FFI handlers):
+      q, out, dq          (batch..., T, N, H)
+      k, v, dk, dv        (batch..., S, K, H)       K divides N; kv head = n / (N / K)
+      bias, mask, dbias   (batch..., N|1, T|1, S|1) any axis of extent 1 broadcasts
+      lse, dlse           (batch..., N, T)
+      q/kv seq lengths    (batch...)                 int32
+    "batch..." is the problem's batch shape: jax's B axis plus any axes added by vmap. An
+    operand may hold extent 1 on any batch axis (vmap of an unmapped operand); the kernels
+    broadcast it without copies through BatchMap.
+*/
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define JF_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define JF_HOST_DEVICE inline
+#endif
+
+namespace jax_flash {
+
+inline constexpr int kMaxBatchRank = 8;
+
+enum class ElementType : int32_t { kFloat64, kFloat32, kBFloat16, kFloat16, kBool, kInt32 };
+
+//! Extents of the problem's batch axes (those of the output).
+struct BatchShape {
+  int32_t rank = 0;
+  int64_t extent[kMaxBatchRank] = {};
+
+  JF_HOST_DEVICE int64_t count() const {
+    int64_t n = 1;
+    for (int32_t i = 0; i < rank; ++i) n *= extent[i];
+    return n;
+  }
+};
+
+//! Maps a flat problem batch index to the flat index of one operand's own batch items.
+//! stride[i] is 0 where the operand broadcasts batch axis i.
+struct BatchMap {
+  int64_t stride[kMaxBatchRank] = {};
+};
+
+JF_HOST_DEVICE int64_t map_batch(const BatchShape& shape, const BatchMap& map, int64_t b) {
+  int64_t own = 0;
+  for (int32_t i = shape.rank - 1; i >= 0; --i) {
+    const int64_t extent = shape.extent[i];
+    own += (b % extent) * map.stride[i];
+    b /= extent;
+  }
+  return own;
+}
+
+//! One operand or result. `stride` covers the operand's own non-batch axes in the order of
+//! the layout table above (e.g. {T, N, H} for q); a stride of 0 broadcasts that axis.
+struct Operand {
+  void* data = nullptr;  //!< nullptr when an optional operand is absent
+  ElementType dtype = ElementType::kFloat32;
+  BatchMap batch;
+  int64_t batch_stride = 0;  //!< elements between consecutive own batch items
+  int64_t stride[3] = {};
+  int64_t extent[3] = {};  //!< own extents of the non-batch axes (1 where broadcast)
+
+  JF_HOST_DEVICE bool present() const { return data != nullptr; }
+  JF_HOST_DEVICE int64_t batch_offset(const BatchShape& shape, int64_t b) const {
+    return map_batch(shape, batch, b) * batch_stride;
+  }
+};
+
+//! Sizes and options common to the forward and backward passes.
+struct AttentionShape {
+  BatchShape batch;
+  int64_t seqlen_q = 0;      //!< T
+  int64_t seqlen_k = 0;      //!< S
+  int64_t num_heads = 0;     //!< N
+  int64_t num_kv_heads = 0;  //!< K
+  int64_t head_dim = 0;      //!< H
+  ElementType dtype = ElementType::kFloat32;  //!< dtype of q, k, v, out and their gradients
+
+  JF_HOST_DEVICE int64_t group_size() const { return num_heads / num_kv_heads; }
+};
+
+//! Visibility of key j to query i: window_left < 0 or j >= i - window_left, and
+//! window_right < 0 or j <= i + window_right, and j < kv_len[b]; query rows i >= q_len[b]
+//! are padding. Causal attention is window_right == 0 (top-left aligned, as jax's tril).
+struct AttentionOptions {
+  double scale = 1.0;  //!< kernels round it to their accumulation type
+  int64_t window_left = -1;   //!< -1: unbounded
+  int64_t window_right = -1;  //!< -1: unbounded
+};
+
+struct ForwardParams {
+  AttentionShape shape;
+  AttentionOptions options;
+  Operand q, k, v;
+  Operand bias;        //!< optional, dtype float64/float32/bfloat16/float16
+  Operand mask;        //!< optional, bool: true keeps the logit
+  Operand q_seqlens;   //!< optional, int32
+  Operand kv_seqlens;  //!< optional, int32
+  Operand out;
+  Operand lse;  //!< float32 (float64 for float64 problems); -inf where a row sees no key
+};
+
+struct BackwardParams {
+  ForwardParams fwd;  //!< the forward operands, with out and lse as saved by the forward
+  Operand dout;
+  Operand dlse;  //!< cotangent of the log-sum-exp (zeros unless the residual is used)
+  Operand dq, dk, dv;
+  Operand dbias;  //!< present exactly when fwd.bias is
+};
+
+}  // namespace jax_flash

@@ -1,0 +1,346 @@
+/*! \file ffi_glue.cc
+    \brief Buffer validation and parameter construction for the FFI handlers. The Python layer
+           validates first and raises at trace time; these checks are the second line, so that
+           a malformed call returns an ffi::Error instead of reading out of bounds.
+*/
+#include "ffi_glue.h"
+
+#include <sstream>
+#include <vector>
+
+namespace jax_flash {
+namespace {
+
+std::string DimsToString(ffi::Span<const int64_t> dims) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < dims.size(); ++i) os << (i ? ", " : "") << dims[i];
+  os << (dims.size() == 1 ? ",)" : ")");
+  return os.str();
+}
+
+bool ToElementType(ffi::DataType dtype, ElementType* out) {
+  switch (dtype) {
+    case ffi::DataType::F64: *out = ElementType::kFloat64; return true;
+    case ffi::DataType::F32: *out = ElementType::kFloat32; return true;
+    case ffi::DataType::BF16: *out = ElementType::kBFloat16; return true;
+    case ffi::DataType::F16: *out = ElementType::kFloat16; return true;
+    case ffi::DataType::PRED: *out = ElementType::kBool; return true;
+    case ffi::DataType::S32: *out = ElementType::kInt32; return true;
+    default: return false;
+  }
+}
+
+bool IsFloating(ElementType t) {
+  return t == ElementType::kFloat64 || t == ElementType::kFloat32 || t == ElementType::kBFloat16 ||
+         t == ElementType::kFloat16;
+}
+
+//! How the non-batch axes of a buffer are checked against the expected extents.
+enum class InnerCheck {
+  kExact,          //!< every axis equals the expected extent
+  kExactOrOne,     //!< every axis equals the expected extent or 1 (broadcast)
+};
+
+//! How the batch axes of a buffer relate to the problem's batch shape.
+enum class BatchCheck {
+  kFull,         //!< equal to the problem's batch shape (results that are not reduced)
+  kFullOrOne,    //!< each axis equal or 1 (operands broadcast; reduced results sum over it)
+};
+
+struct BufferView {
+  ffi::DataType dtype;
+  ffi::Span<const int64_t> dims;
+  void* data;
+};
+
+BufferView ViewOf(const ffi::AnyBuffer& buffer) {
+  return {buffer.element_type(), buffer.dimensions(), buffer.untyped_data()};
+}
+
+//! Checks one buffer and describes it as an Operand. `inner` holds the expected extents of the
+//! buffer's own trailing axes; the leading axes must match `batch` as `batch_check` says.
+Status Describe(const char* name, const BufferView& view, const BatchShape& batch,
+                std::initializer_list<int64_t> inner, InnerCheck inner_check,
+                BatchCheck batch_check, Operand* operand) {
+  const int inner_rank = static_cast<int>(inner.size());
+  const int rank = static_cast<int>(view.dims.size());
+  if (rank != batch.rank + inner_rank) {
+    return Status::InvalidArgument(std::string("jax_flash: ") + name + " must have rank " +
+                                   std::to_string(batch.rank + inner_rank) + ", got shape " +
+                                   DimsToString(view.dims));
+  }
+  if (!ToElementType(view.dtype, &operand->dtype)) {
+    std::ostringstream os;
+    os << "jax_flash: " << name << " has unsupported XLA dtype id " << static_cast<int>(view.dtype);
+    return Status::InvalidArgument(os.str());
+  }
+  for (int i = 0; i < batch.rank; ++i) {
+    const int64_t extent = view.dims[i];
+    const bool ok = extent == batch.extent[i] ||
+                    (batch_check == BatchCheck::kFullOrOne && extent == 1);
+    if (!ok) {
+      return Status::InvalidArgument(std::string("jax_flash: ") + name + " batch axis " +
+                                     std::to_string(i) + " has extent " + std::to_string(extent) +
+                                     ", expected " + std::to_string(batch.extent[i]) +
+                                     (batch_check == BatchCheck::kFullOrOne ? " or 1" : "") +
+                                     " (shape " + DimsToString(view.dims) + ")");
+    }
+  }
+  // Batch map: strides in own batch items, 0 on broadcast axes.
+  int64_t item_stride = 1;
+  for (int i = batch.rank - 1; i >= 0; --i) {
+    const int64_t extent = view.dims[i];
+    operand->batch.stride[i] = (extent == 1) ? 0 : item_stride;
+    item_stride *= extent;
+  }
+  int64_t element_stride = 1;
+  const int64_t* expected = inner.begin();
+  for (int j = inner_rank - 1; j >= 0; --j) {
+    const int64_t extent = view.dims[batch.rank + j];
+    const bool ok = extent == expected[j] || (inner_check == InnerCheck::kExactOrOne && extent == 1);
+    if (!ok) {
+      std::string want;
+      for (int t = 0; t < inner_rank; ++t) {
+        want += (t ? ", " : "") + std::to_string(expected[t]);
+        if (inner_check == InnerCheck::kExactOrOne) want += "|1";
+      }
+      return Status::InvalidArgument(std::string("jax_flash: ") + name + " has shape " +
+                                     DimsToString(view.dims) + ", expected trailing axes (" +
+                                     want + ")");
+    }
+    operand->extent[j] = extent;
+    operand->stride[j] = (extent == 1) ? 0 : element_stride;
+    element_stride *= extent;
+  }
+  operand->batch_stride = element_stride;
+  operand->data = view.data;
+  return Status::Ok();
+}
+
+Status CheckDtype(const char* name, const Operand& operand, ElementType expected) {
+  if (operand.dtype != expected) {
+    return Status::InvalidArgument(std::string("jax_flash: ") + name + " has dtype " +
+                                   ElementTypeName(operand.dtype) + ", expected " +
+                                   ElementTypeName(expected));
+  }
+  return Status::Ok();
+}
+
+#define JF_RETURN_IF_ERROR(expr)            \
+  do {                                      \
+    ::jax_flash::Status _status = (expr);   \
+    if (!_status.ok()) return _status;      \
+  } while (0)
+
+//! Reads the batch shape from a full-shaped result buffer (out or dq).
+Status BatchShapeOf(const char* name, ffi::Span<const int64_t> dims, BatchShape* batch) {
+  const int rank = static_cast<int>(dims.size());
+  if (rank < 4) {
+    return Status::InvalidArgument(std::string("jax_flash: ") + name +
+                                   " must have rank >= 4 (batch..., T, N, H), got shape " +
+                                   DimsToString(dims));
+  }
+  if (rank - 3 > kMaxBatchRank) {
+    return Status::InvalidArgument(std::string("jax_flash: ") + name + " has " +
+                                   std::to_string(rank - 3) + " batch axes; at most " +
+                                   std::to_string(kMaxBatchRank) + " are supported");
+  }
+  batch->rank = rank - 3;
+  for (int i = 0; i < batch->rank; ++i) batch->extent[i] = dims[i];
+  return Status::Ok();
+}
+
+//! Fills shape/options and checks q, k, v and the optional operands; shared by both passes.
+Status DescribeInputs(const AttentionAttrs& attrs, const BatchShape& batch,
+                      ffi::Span<const int64_t> out_dims, const ffi::AnyBuffer& q,
+                      const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                      const ffi::RemainingArgs& optional_args, ForwardParams* p) {
+  AttentionShape& s = p->shape;
+  s.batch = batch;
+  const int r = batch.rank;
+  s.seqlen_q = out_dims[r];
+  s.num_heads = out_dims[r + 1];
+  s.head_dim = out_dims[r + 2];
+  const auto k_dims = k.dimensions();
+  if (static_cast<int>(k_dims.size()) != r + 3) {
+    return Status::InvalidArgument("jax_flash: key must have rank " + std::to_string(r + 3) +
+                                   ", got shape " + DimsToString(k_dims));
+  }
+  s.seqlen_k = k_dims[r];
+  s.num_kv_heads = k_dims[r + 1];
+  if (s.num_heads <= 0 || s.num_kv_heads <= 0 || s.head_dim <= 0) {
+    return Status::InvalidArgument("jax_flash: heads and head dim must be positive");
+  }
+  if (s.num_heads % s.num_kv_heads != 0) {
+    return Status::InvalidArgument("jax_flash: query heads (" + std::to_string(s.num_heads) +
+                                   ") must be a multiple of key/value heads (" +
+                                   std::to_string(s.num_kv_heads) + ")");
+  }
+  JF_RETURN_IF_ERROR(Describe("query", ViewOf(q), batch, {s.seqlen_q, s.num_heads, s.head_dim},
+                              InnerCheck::kExact, BatchCheck::kFullOrOne, &p->q));
+  JF_RETURN_IF_ERROR(Describe("key", ViewOf(k), batch, {s.seqlen_k, s.num_kv_heads, s.head_dim},
+                              InnerCheck::kExact, BatchCheck::kFullOrOne, &p->k));
+  JF_RETURN_IF_ERROR(Describe("value", ViewOf(v), batch, {s.seqlen_k, s.num_kv_heads, s.head_dim},
+                              InnerCheck::kExact, BatchCheck::kFullOrOne, &p->v));
+  s.dtype = p->q.dtype;
+  if (!IsFloating(s.dtype)) {
+    return Status::InvalidArgument(std::string("jax_flash: query dtype ") +
+                                   ElementTypeName(s.dtype) + " is not a floating dtype");
+  }
+  JF_RETURN_IF_ERROR(CheckDtype("key", p->k, s.dtype));
+  JF_RETURN_IF_ERROR(CheckDtype("value", p->v, s.dtype));
+
+  if (attrs.window_left < -1 || attrs.window_right < -1) {
+    return Status::InvalidArgument("jax_flash: window_left/window_right must be >= -1 "
+                                   "(-1 = unbounded), got " + std::to_string(attrs.window_left) +
+                                   ", " + std::to_string(attrs.window_right));
+  }
+  p->options.scale = attrs.scale;
+  p->options.window_left = attrs.window_left;
+  p->options.window_right = attrs.window_right;
+
+  const size_t expected_optional = static_cast<size_t>(attrs.has_bias) + attrs.has_mask +
+                                   attrs.has_q_seqlens + attrs.has_kv_seqlens;
+  if (optional_args.size() != expected_optional) {
+    return Status::InvalidArgument("jax_flash: expected " + std::to_string(expected_optional) +
+                                   " optional operands from the has_* attributes, got " +
+                                   std::to_string(optional_args.size()));
+  }
+  size_t next = 0;
+  auto take = [&](const char* name, BufferView* view) -> Status {
+    auto buffer = optional_args.get<ffi::AnyBuffer>(next++);
+    if (!buffer.has_value()) {
+      return Status::InvalidArgument(std::string("jax_flash: cannot decode ") + name);
+    }
+    *view = ViewOf(*buffer);
+    return Status::Ok();
+  };
+  BufferView view{};
+  if (attrs.has_bias) {
+    JF_RETURN_IF_ERROR(take("bias", &view));
+    JF_RETURN_IF_ERROR(Describe("bias", view, batch, {s.num_heads, s.seqlen_q, s.seqlen_k},
+                                InnerCheck::kExactOrOne, BatchCheck::kFullOrOne, &p->bias));
+    if (!IsFloating(p->bias.dtype)) {
+      return Status::InvalidArgument(std::string("jax_flash: bias dtype ") +
+                                     ElementTypeName(p->bias.dtype) + " is not floating");
+    }
+  }
+  if (attrs.has_mask) {
+    JF_RETURN_IF_ERROR(take("mask", &view));
+    JF_RETURN_IF_ERROR(Describe("mask", view, batch, {s.num_heads, s.seqlen_q, s.seqlen_k},
+                                InnerCheck::kExactOrOne, BatchCheck::kFullOrOne, &p->mask));
+    JF_RETURN_IF_ERROR(CheckDtype("mask", p->mask, ElementType::kBool));
+  }
+  if (attrs.has_q_seqlens) {
+    JF_RETURN_IF_ERROR(take("query_seq_lengths", &view));
+    JF_RETURN_IF_ERROR(Describe("query_seq_lengths", view, batch, {}, InnerCheck::kExact,
+                                BatchCheck::kFullOrOne, &p->q_seqlens));
+    JF_RETURN_IF_ERROR(CheckDtype("query_seq_lengths", p->q_seqlens, ElementType::kInt32));
+  }
+  if (attrs.has_kv_seqlens) {
+    JF_RETURN_IF_ERROR(take("key_value_seq_lengths", &view));
+    JF_RETURN_IF_ERROR(Describe("key_value_seq_lengths", view, batch, {}, InnerCheck::kExact,
+                                BatchCheck::kFullOrOne, &p->kv_seqlens));
+    JF_RETURN_IF_ERROR(CheckDtype("key_value_seq_lengths", p->kv_seqlens, ElementType::kInt32));
+  }
+  return Status::Ok();
+}
+
+ElementType LseType(ElementType dtype) {
+  return dtype == ElementType::kFloat64 ? ElementType::kFloat64 : ElementType::kFloat32;
+}
+
+}  // namespace
+
+const char* ElementTypeName(ElementType dtype) {
+  switch (dtype) {
+    case ElementType::kFloat64: return "float64";
+    case ElementType::kFloat32: return "float32";
+    case ElementType::kBFloat16: return "bfloat16";
+    case ElementType::kFloat16: return "float16";
+    case ElementType::kBool: return "bool";
+    case ElementType::kInt32: return "int32";
+  }
+  return "unknown";
+}
+
+Status MakeForwardParams(const AttentionAttrs& attrs, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                         ffi::AnyBuffer v, const ffi::RemainingArgs& optional_args,
+                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                         ForwardParams* p) {
+  *p = ForwardParams{};
+  BatchShape batch;
+  JF_RETURN_IF_ERROR(BatchShapeOf("output", out->dimensions(), &batch));
+  JF_RETURN_IF_ERROR(
+      DescribeInputs(attrs, batch, out->dimensions(), q, k, v, optional_args, p));
+  const AttentionShape& s = p->shape;
+  JF_RETURN_IF_ERROR(Describe("output", ViewOf(*out), batch, {s.seqlen_q, s.num_heads, s.head_dim},
+                              InnerCheck::kExact, BatchCheck::kFull, &p->out));
+  JF_RETURN_IF_ERROR(CheckDtype("output", p->out, s.dtype));
+  JF_RETURN_IF_ERROR(Describe("lse", ViewOf(*lse), batch, {s.num_heads, s.seqlen_q},
+                              InnerCheck::kExact, BatchCheck::kFull, &p->lse));
+  JF_RETURN_IF_ERROR(CheckDtype("lse", p->lse, LseType(s.dtype)));
+  return Status::Ok();
+}
+
+Status MakeBackwardParams(const AttentionAttrs& attrs, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                          ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
+                          ffi::AnyBuffer dout, ffi::AnyBuffer dlse,
+                          const ffi::RemainingArgs& optional_args, ffi::Result<ffi::AnyBuffer> dq,
+                          ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                          const ffi::RemainingRets& optional_rets, BackwardParams* p) {
+  *p = BackwardParams{};
+  ForwardParams& f = p->fwd;
+  BatchShape batch;
+  JF_RETURN_IF_ERROR(BatchShapeOf("dq", dq->dimensions(), &batch));
+  JF_RETURN_IF_ERROR(DescribeInputs(attrs, batch, dq->dimensions(), q, k, v, optional_args, &f));
+  const AttentionShape& s = f.shape;
+  const ElementType lse_type = LseType(s.dtype);
+  JF_RETURN_IF_ERROR(Describe("output", ViewOf(out), batch, {s.seqlen_q, s.num_heads, s.head_dim},
+                              InnerCheck::kExact, BatchCheck::kFullOrOne, &f.out));
+  JF_RETURN_IF_ERROR(CheckDtype("output", f.out, s.dtype));
+  JF_RETURN_IF_ERROR(Describe("lse", ViewOf(lse), batch, {s.num_heads, s.seqlen_q},
+                              InnerCheck::kExact, BatchCheck::kFullOrOne, &f.lse));
+  JF_RETURN_IF_ERROR(CheckDtype("lse", f.lse, lse_type));
+  JF_RETURN_IF_ERROR(Describe("dout", ViewOf(dout), batch, {s.seqlen_q, s.num_heads, s.head_dim},
+                              InnerCheck::kExact, BatchCheck::kFullOrOne, &p->dout));
+  JF_RETURN_IF_ERROR(CheckDtype("dout", p->dout, s.dtype));
+  JF_RETURN_IF_ERROR(Describe("dlse", ViewOf(dlse), batch, {s.num_heads, s.seqlen_q},
+                              InnerCheck::kExact, BatchCheck::kFullOrOne, &p->dlse));
+  JF_RETURN_IF_ERROR(CheckDtype("dlse", p->dlse, lse_type));
+  JF_RETURN_IF_ERROR(Describe("dq", ViewOf(*dq), batch, {s.seqlen_q, s.num_heads, s.head_dim},
+                              InnerCheck::kExact, BatchCheck::kFull, &p->dq));
+  JF_RETURN_IF_ERROR(CheckDtype("dq", p->dq, s.dtype));
+  JF_RETURN_IF_ERROR(Describe("dk", ViewOf(*dk), batch, {s.seqlen_k, s.num_kv_heads, s.head_dim},
+                              InnerCheck::kExact, BatchCheck::kFull, &p->dk));
+  JF_RETURN_IF_ERROR(CheckDtype("dk", p->dk, s.dtype));
+  JF_RETURN_IF_ERROR(Describe("dv", ViewOf(*dv), batch, {s.seqlen_k, s.num_kv_heads, s.head_dim},
+                              InnerCheck::kExact, BatchCheck::kFull, &p->dv));
+  JF_RETURN_IF_ERROR(CheckDtype("dv", p->dv, s.dtype));
+  if (optional_rets.size() != (attrs.has_bias ? 1u : 0u)) {
+    return Status::InvalidArgument("jax_flash: dbias must be returned exactly when bias is given");
+  }
+  if (attrs.has_bias) {
+    auto dbias = optional_rets.get<ffi::AnyBuffer>(0);
+    if (!dbias.has_value()) return Status::InvalidArgument("jax_flash: cannot decode dbias");
+    const Operand& bias = f.bias;
+    // dbias keeps bias's own extents; it sums over every axis where bias broadcasts.
+    JF_RETURN_IF_ERROR(Describe("dbias", ViewOf(**dbias), batch,
+                                {bias.extent[0], bias.extent[1], bias.extent[2]},
+                                InnerCheck::kExact, BatchCheck::kFullOrOne, &p->dbias));
+    JF_RETURN_IF_ERROR(CheckDtype("dbias", p->dbias, bias.dtype));
+  }
+  return Status::Ok();
+}
+
+ffi::Error ToFfiError(const Status& status) {
+  switch (status.code()) {
+    case Status::Code::kOk: return ffi::Error::Success();
+    case Status::Code::kInvalidArgument: return ffi::Error::InvalidArgument(status.message());
+    case Status::Code::kInternal: return ffi::Error::Internal(status.message());
+  }
+  return ffi::Error::Internal(status.message());
+}
+
+}  // namespace jax_flash

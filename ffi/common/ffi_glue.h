@@ -1,0 +1,96 @@
+/*! \file ffi_glue.h
+    \brief The XLA FFI surface of jax_flash: the attribute struct, the one operand/result
+           signature shared by the CPU and CUDA handlers, and the translation of XLA buffers
+           into ForwardParams/BackwardParams with full validation. Host compiler only.
+
+    Targets (same names and signatures on the "cpu" and "CUDA" platforms):
+      jax_flash_fwd(q, k, v, [bias], [mask], [q_seqlens], [kv_seqlens]) -> (out, lse)
+      jax_flash_bwd(q, k, v, out, lse, dout, dlse, [bias], [mask], [q_seqlens], [kv_seqlens])
+                    -> (dq, dk, dv, [dbias])
+    The bracketed operands are present in that order exactly when the matching has_* attribute
+    is true.
+*/
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "attention_params.h"
+#include "status.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_flash {
+
+namespace ffi = ::xla::ffi;
+
+struct AttentionAttrs {
+  double scale;
+  int64_t window_left;
+  int64_t window_right;
+  bool has_bias;
+  bool has_mask;
+  bool has_q_seqlens;
+  bool has_kv_seqlens;
+};
+
+//! Appends the shared forward signature to a binding that already holds the platform context.
+template <typename Binding>
+auto BindForward(Binding binding) {
+  return std::move(binding)
+      .template Attrs<AttentionAttrs>()
+      .template Arg<ffi::AnyBuffer>()  // q
+      .template Arg<ffi::AnyBuffer>()  // k
+      .template Arg<ffi::AnyBuffer>()  // v
+      .RemainingArgs()                 // [bias], [mask], [q_seqlens], [kv_seqlens]
+      .template Ret<ffi::AnyBuffer>()  // out
+      .template Ret<ffi::AnyBuffer>();  // lse
+}
+
+//! Appends the shared backward signature to a binding that already holds the platform context.
+template <typename Binding>
+auto BindBackward(Binding binding) {
+  return std::move(binding)
+      .template Attrs<AttentionAttrs>()
+      .template Arg<ffi::AnyBuffer>()  // q
+      .template Arg<ffi::AnyBuffer>()  // k
+      .template Arg<ffi::AnyBuffer>()  // v
+      .template Arg<ffi::AnyBuffer>()  // out
+      .template Arg<ffi::AnyBuffer>()  // lse
+      .template Arg<ffi::AnyBuffer>()  // dout
+      .template Arg<ffi::AnyBuffer>()  // dlse
+      .RemainingArgs()                 // [bias], [mask], [q_seqlens], [kv_seqlens]
+      .template Ret<ffi::AnyBuffer>()  // dq
+      .template Ret<ffi::AnyBuffer>()  // dk
+      .template Ret<ffi::AnyBuffer>()  // dv
+      .RemainingRets();                // [dbias]
+}
+
+//! Validates every buffer against the attributes and fills the parameters; errors name the
+//! argument and the expected value.
+Status MakeForwardParams(const AttentionAttrs& attrs, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                         ffi::AnyBuffer v, const ffi::RemainingArgs& optional_args,
+                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                         ForwardParams* params);
+
+Status MakeBackwardParams(const AttentionAttrs& attrs, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                          ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
+                          ffi::AnyBuffer dout, ffi::AnyBuffer dlse,
+                          const ffi::RemainingArgs& optional_args, ffi::Result<ffi::AnyBuffer> dq,
+                          ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                          const ffi::RemainingRets& optional_rets, BackwardParams* params);
+
+ffi::Error ToFfiError(const Status& status);
+
+const char* ElementTypeName(ElementType dtype);
+
+}  // namespace jax_flash
+
+// Attribute names are the Python keyword arguments of jax.ffi.ffi_call (see jax_flash/_primitive.py).
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_flash::AttentionAttrs,
+                                      ::xla::ffi::StructMember<double>("scale"),
+                                      ::xla::ffi::StructMember<int64_t>("window_left"),
+                                      ::xla::ffi::StructMember<int64_t>("window_right"),
+                                      ::xla::ffi::StructMember<bool>("has_bias"),
+                                      ::xla::ffi::StructMember<bool>("has_mask"),
+                                      ::xla::ffi::StructMember<bool>("has_q_seqlens"),
+                                      ::xla::ffi::StructMember<bool>("has_kv_seqlens"));

@@ -1,0 +1,63 @@
+"""Loads the compiled extension and registers its FFI handlers with XLA, once, on first use.
+
+Registration is deferred to the first attention call so that importing jax_flash never
+initialises a backend (on a GPU that preallocates most of its memory).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jaxlib
+
+from . import _jax_flash_ext
+
+FORWARD_TARGET = "jax_flash_fwd"
+BACKWARD_TARGET = "jax_flash_bwd"
+
+_BUILD_INFO = _jax_flash_ext.build_info()
+_lock = threading.Lock()
+_registered = False
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+  parts = []
+  for piece in version.split(".")[:3]:
+    digits = "".join(ch for ch in piece if ch.isdigit())
+    parts.append(int(digits) if digits else 0)
+  return tuple(parts)
+
+
+def _check_jaxlib_version() -> None:
+  built, running = _BUILD_INFO["jaxlib_version"], jaxlib.__version__
+  # XLA rejects handlers built against a newer FFI API than the running jaxlib implements.
+  if _version_tuple(running)[:2] < _version_tuple(built)[:2]:
+    raise ImportError(
+        f"jax_flash was built against jaxlib {built} but jaxlib {running} is running; "
+        "reinstall with 'pip install --no-build-isolation .' in this environment")
+
+
+_check_jaxlib_version()
+
+
+def build_info() -> dict:
+  """How the extension was built: jaxlib version, XLA FFI API version, CUDA handlers."""
+  return dict(_BUILD_INFO)
+
+
+def cuda_built() -> bool:
+  return bool(_BUILD_INFO["cuda"])
+
+
+def ensure_registered() -> None:
+  global _registered
+  if _registered:
+    return
+  with _lock:
+    if _registered:
+      return
+    for platform, targets in _jax_flash_ext.registrations().items():
+      for name, capsule in targets.items():
+        jax.ffi.register_ffi_target(name, capsule, platform=platform)
+    _registered = True

@@ -1,0 +1,188 @@
+"""Trace-time argument validation and canonicalisation for dot_product_attention.
+
+Every malformed call raises here, before anything reaches XLA, with an exception naming the
+argument and the expected value: ValueError for shapes and values, TypeError for dtypes and
+argument types, NotImplementedError for valid inputs the selected backend does not support.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _config, _extension
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """The static (hashable) part of a call; becomes the FFI attributes."""
+
+  scale: float
+  window_left: int  # -1: unbounded
+  window_right: int  # -1: unbounded; causal is window_right == 0
+
+
+@dataclasses.dataclass
+class CanonicalCall:
+  """A validated call: q/k/v rank 4 (B, T|S, N|K, H); bias/mask rank 4; seq lengths (B,) int32."""
+
+  query: jax.Array
+  key: jax.Array
+  value: jax.Array
+  bias: jax.Array | None
+  mask: jax.Array | None
+  query_seq_lengths: jax.Array | None
+  key_value_seq_lengths: jax.Array | None
+  config: AttentionConfig
+  unbatched: bool  # the query had no batch axis; results drop it again
+
+
+def _as_array(x: Any, name: str) -> jax.Array:
+  if isinstance(x, (jax.Array, np.ndarray, np.generic)) or hasattr(x, "__jax_array__"):
+    return x if hasattr(x, "dtype") and hasattr(x, "shape") else jnp.asarray(x)
+  if isinstance(x, (list, tuple, numbers.Number)):
+    return jnp.asarray(x)
+  raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+
+
+def _with_leading_axes(x: jax.Array, rank: int) -> jax.Array:
+  return x.reshape((1,) * (rank - x.ndim) + tuple(x.shape)) if x.ndim < rank else x
+
+
+def on_gpu() -> bool:
+  """Whether the call will run on the GPU: jax's default backend at trace time."""
+  return jax.default_backend() == "gpu"
+
+
+def _check_qkv(query, key, value) -> None:
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if x.ndim not in (3, 4):
+      raise ValueError(f"{name} must have rank 4 (B, T, N, H) or 3 (T, N, H), got shape {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} must have a floating dtype "
+                      f"({', '.join(d.name for d in _config.CPU_DTYPES)}), got {x.dtype}")
+  if key.dtype != query.dtype or value.dtype != query.dtype:
+    raise TypeError(f"query, key and value must share one dtype, got query {query.dtype}, "
+                    f"key {key.dtype}, value {value.dtype}")
+  if query.dtype not in _config.CPU_DTYPES:
+    raise TypeError(f"query dtype {query.dtype} is not supported; supported: "
+                    f"{', '.join(d.name for d in _config.CPU_DTYPES)}")
+  if key.shape != value.shape:
+    raise ValueError(f"value shape {value.shape} must equal key shape {key.shape}")
+
+
+def _check_logits_operand(x, name: str, full: tuple[int, int, int, int]) -> jax.Array:
+  if x.ndim > 4:
+    raise ValueError(f"{name} must have rank <= 4 and broadcast to (B, N, T, S) = {full}, "
+                     f"got shape {x.shape}")
+  x = _with_leading_axes(x, 4)
+  for axis, (got, want) in enumerate(zip(x.shape, full)):
+    if got not in (1, want):
+      raise ValueError(f"{name} shape {x.shape} does not broadcast to (B, N, T, S) = {full}: "
+                       f"axis {axis} is {got}, expected 1 or {want}")
+  return x
+
+
+def _check_seq_lengths(x, name: str, batch: int) -> jax.Array:
+  x = _as_array(x, name)
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must have an integer dtype (int32), got {x.dtype}")
+  if x.shape != (batch,):
+    raise ValueError(f"{name} must have shape (B,) = ({batch},), got {x.shape}")
+  return x.astype(jnp.int32)
+
+
+def _window(local_window_size, is_causal: bool) -> tuple[int, int]:
+  left = right = -1
+  if local_window_size is not None:
+    pair = ((local_window_size, local_window_size)
+            if isinstance(local_window_size, numbers.Integral) else local_window_size)
+    if (not isinstance(pair, (tuple, list)) or len(pair) != 2 or
+        not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in pair)):
+      raise TypeError("local_window_size must be an int or a (left, right) pair of ints, "
+                      f"got {local_window_size!r}")
+    left, right = (int(w) for w in pair)
+    if left < 0 or right < 0:
+      raise ValueError(f"local_window_size must be non-negative, got {local_window_size!r}")
+  if is_causal:
+    right = 0
+  return left, right
+
+
+def _check_gpu_support(query: jax.Array, head_dim: int) -> None:
+  if not _extension.cuda_built():
+    raise NotImplementedError(
+        "jax_flash was built without its CUDA handlers but jax's default backend is the GPU; "
+        "reinstall with nvcc and nvidia-cutlass available (JAX_FLASH_CUDA=ON, see README)")
+  if query.dtype not in _config.GPU_DTYPES:
+    raise NotImplementedError(
+        f"query dtype {query.dtype} is not supported on the GPU; supported: "
+        f"{', '.join(d.name for d in _config.GPU_DTYPES)} (cast the inputs)")
+  if not _config.gpu_head_dim_supported(head_dim):
+    raise NotImplementedError(
+        f"head dim {head_dim} is not supported on the GPU: it must be a multiple of "
+        f"{_config.GPU_HEAD_DIM_MULTIPLE} and at most {_config.GPU_MAX_HEAD_DIM} "
+        f"(compiled tiles: {', '.join(map(str, _config.GPU_HEAD_DIMS))})")
+
+
+def canonicalize(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
+                 key_value_seq_lengths, local_window_size) -> CanonicalCall:
+  query, key, value = (_as_array(x, n) for x, n in ((query, "query"), (key, "key"),
+                                                    (value, "value")))
+  _check_qkv(query, key, value)
+  unbatched = query.ndim == 3
+  query, key, value = (_with_leading_axes(x, 4) for x in (query, key, value))
+  B, T, N, H = query.shape
+  _, S, K, Hk = key.shape
+  if key.shape[0] != B:
+    raise ValueError(f"key batch size {key.shape[0]} must equal query batch size {B}")
+  if Hk != H:
+    raise ValueError(f"key head dim {Hk} must equal query head dim {H}")
+  if H == 0 or N == 0 or K == 0:
+    raise ValueError(f"heads and head dim must be positive, got query shape {query.shape}, "
+                     f"key shape {key.shape}")
+  if N % K != 0:
+    raise ValueError(f"query heads N={N} must be a multiple of key/value heads K={K}")
+
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+  if scale is None:
+    scale = 1.0 / math.sqrt(H)
+  elif isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+    scale = float(scale)
+  else:
+    raise TypeError(f"scale must be a static Python number or None, got {type(scale).__name__}")
+  if not math.isfinite(scale):
+    raise ValueError(f"scale must be finite, got {scale}")
+  window_left, window_right = _window(local_window_size, bool(is_causal))
+
+  full = (B, N, T, S)
+  if bias is not None:
+    bias = _check_logits_operand(_as_array(bias, "bias"), "bias", full)
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+      raise TypeError(f"bias must have a floating dtype, got {bias.dtype} "
+                      "(pass boolean masks as mask=)")
+    if bias.dtype == np.float64 and query.dtype != np.float64:
+      # jax adds the bias to float32 logits and casts back: the same values as a float32 bias.
+      bias = bias.astype(jnp.float32)
+  if mask is not None:
+    mask = _check_logits_operand(_as_array(mask, "mask"), "mask", full)
+    if mask.dtype != np.bool_:
+      raise TypeError(f"mask must have dtype bool (True keeps a logit), got {mask.dtype} "
+                      "(pass additive masks as bias=)")
+  if query_seq_lengths is not None:
+    query_seq_lengths = _check_seq_lengths(query_seq_lengths, "query_seq_lengths", B)
+  if key_value_seq_lengths is not None:
+    key_value_seq_lengths = _check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", B)
+
+  if on_gpu():
+    _check_gpu_support(query, H)
+
+  return CanonicalCall(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
+                       AttentionConfig(scale, window_left, window_right), unbatched)

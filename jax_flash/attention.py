@@ -1,0 +1,58 @@
+"""Public API: a drop-in for jax.nn.dot_product_attention."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from . import _primitive
+from ._validation import canonicalize
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
+                          is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
+                          local_window_size=None, return_residual=False):
+  r"""Scaled dot-product attention, exact, in O(T*H + S*H) memory.
+
+  Same arguments and meaning as ``jax.nn.dot_product_attention``:
+
+  Args:
+    query: ``(B, T, N, H)`` or ``(T, N, H)``.
+    key, value: ``(B, S, K, H)`` or ``(S, K, H)``; ``N`` must be a multiple of ``K``
+      (GQA; MQA when ``K == 1``). One floating dtype for query, key and value.
+    bias: optional floating array broadcastable to ``(B, N, T, S)``, added to the scaled
+      logits. Differentiable.
+    mask: optional boolean array broadcastable to ``(B, N, T, S)``; ``True`` keeps a logit.
+    scale: logit scale; ``1/sqrt(H)`` when None. A static Python number.
+    is_causal: key ``j`` is visible to query ``i`` only if ``j <= i`` (top-left aligned, as
+      ``jnp.tril`` of a ``T x S`` matrix).
+    query_seq_lengths, key_value_seq_lengths: optional integer ``(B,)``; query rows at or past
+      the length are padding and give zeros, keys at or past the length are masked.
+    local_window_size: ``int`` or ``(left, right)``: key ``j`` is visible to query ``i`` only if
+      ``i - left <= j <= i + right``.
+    return_residual: also return the log-sum-exp of the scaled, biased logits, shaped like
+      ``query`` without its last axis, in float32 (float64 for float64 inputs).
+
+  Returns:
+    The attention output, shaped and typed like ``query``; with ``return_residual`` a pair
+    ``(output, lse)``. Rows that see no key (all masked, padding rows, empty windows) give
+    output 0 and lse ``-inf``, where jax's xla path would average all values uniformly.
+    Unlike jax, the gradient flows through the returned log-sum-exp.
+  """
+  call = canonicalize(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+                      query_seq_lengths=query_seq_lengths,
+                      key_value_seq_lengths=key_value_seq_lengths,
+                      local_window_size=local_window_size)
+  q = call.query
+  B, T, N, _ = q.shape
+  if B == 0 or T == 0 or call.key.shape[1] == 0:
+    # Nothing to compute, or no key at all: every row is empty.
+    out = jnp.zeros(q.shape, q.dtype)
+    lse = jnp.full((B, N, T), -jnp.inf, _primitive.lse_dtype(q.dtype))
+  else:
+    out, lse = _primitive.attention(call.config, q, call.key, call.value, call.bias, call.mask,
+                                    call.query_seq_lengths, call.key_value_seq_lengths)
+  if call.unbatched:
+    out, lse = out[0], lse[0]
+  if not return_residual:
+    return out
+  return out, jnp.swapaxes(lse, -1, -2)
