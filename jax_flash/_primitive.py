@@ -13,6 +13,11 @@ mechanism, at the cost of per-mapped-element gradients for unmapped K/V before j
 
 The gradient also flows through the log-sum-exp: the backward folds dlse into the row term,
 dS = P * (dP - (rowsum(dO * O) - dlse)).
+
+Platforms: the CPU runs both passes in the C++ kernels. On CUDA the Hopper kernel runs the
+forward; calls with bias or mask arrays, and the backward, run through the blockwise JAX path
+(_blockwise.py, same semantics, O(T * block) memory) until Hopper kernels cover them. The
+choice is made per lowering platform (lax.platform_dependent), not at trace time.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import functools
 import jax
 import numpy as np
 
-from . import _extension
+from . import _blockwise, _extension
 from ._validation import AttentionConfig
 
 
@@ -70,22 +75,40 @@ def _backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_
   return dq, dk, dv, (grads[3] if bias is not None else None)
 
 
+def _forward(config, q, k, v, bias, mask, q_len, kv_len):
+  def cuda(*operands):
+    if bias is not None or mask is not None:
+      return _blockwise.forward(config, *operands)
+    return _forward_call(config, *operands)
+
+  return jax.lax.platform_dependent(q, k, v, bias, mask, q_len, kv_len,
+                                    cpu=functools.partial(_forward_call, config), cuda=cuda)
+
+
+def _backward(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len):
+  return jax.lax.platform_dependent(
+      q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len,
+      cpu=functools.partial(_backward_call, config),
+      cuda=lambda q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len: _blockwise.backward(
+          config, q, k, v, bias, mask, q_len, kv_len, out, lse, dout, dlse))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def attention(config: AttentionConfig, q, k, v, bias, mask, q_len, kv_len):
   """Attention on canonical operands; returns (out (B, T, N, H), lse (B, N, T))."""
-  return _forward_call(config, q, k, v, bias, mask, q_len, kv_len)
+  return _forward(config, q, k, v, bias, mask, q_len, kv_len)
 
 
 def _attention_fwd(config, q, k, v, bias, mask, q_len, kv_len):
-  out, lse = _forward_call(config, q, k, v, bias, mask, q_len, kv_len)
+  out, lse = _forward(config, q, k, v, bias, mask, q_len, kv_len)
   return (out, lse), (q, k, v, bias, mask, q_len, kv_len, out, lse)
 
 
 def _attention_bwd(config, residuals, cotangents):
   q, k, v, bias, mask, q_len, kv_len, out, lse = residuals
   dout, dlse = cotangents
-  dq, dk, dv, dbias = _backward_call(config, q, k, v, out, lse, dout.astype(out.dtype),
-                                     dlse.astype(lse.dtype), bias, mask, q_len, kv_len)
+  dq, dk, dv, dbias = _backward(config, q, k, v, out, lse, dout.astype(out.dtype),
+                                dlse.astype(lse.dtype), bias, mask, q_len, kv_len)
   # Masks and sequence lengths are not differentiable: None is their zero cotangent.
   return dq, dk, dv, dbias, None, None, None
 

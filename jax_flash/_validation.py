@@ -23,7 +23,7 @@ from . import _config, _extension
 class AttentionConfig:
   """The static (hashable) part of a call; becomes the FFI attributes."""
 
-  scale: float
+  scale: float  # >= 0: canonicalize folds a negative scale into the query
   window_left: int  # -1: unbounded
   window_right: int  # -1: unbounded; causal is window_right == 0
 
@@ -56,8 +56,13 @@ def _with_leading_axes(x: jax.Array, rank: int) -> jax.Array:
 
 
 def on_gpu() -> bool:
-  """Whether the call will run on the GPU: jax's default backend at trace time."""
-  return jax.default_backend() == "gpu"
+  """Whether the call will run on the GPU, as far as trace time can tell: the platform of
+  `jax.default_device` when one is set, else jax's default backend."""
+  device = jax.config.jax_default_device
+  if device is None:
+    return jax.default_backend() == "gpu"
+  platform = device if isinstance(device, str) else device.platform
+  return platform in ("gpu", "cuda")
 
 
 def _check_qkv(query, key, value) -> None:
@@ -160,6 +165,10 @@ def canonicalize(query, key, value, bias, mask, *, scale, is_causal, query_seq_l
     raise TypeError(f"scale must be a static Python number or None, got {type(scale).__name__}")
   if not math.isfinite(scale):
     raise ValueError(f"scale must be finite, got {scale}")
+  if scale < 0:
+    # The kernels track row maxima of raw logits, valid for a non-negative scale only;
+    # (-scale) * (-q) . k is the same logit, and the gradient flows through the negation.
+    query, scale = -query, -scale
   window_left, window_right = _window(local_window_size, bool(is_causal))
 
   full = (B, N, T, S)

@@ -1,0 +1,112 @@
+/*! \file kernel_fwd.h
+    \brief The warp-specialised, persistent Hopper forward kernel: barrier setup, register
+           reallocation between roles, and the per-tile loops of the producer (TMA) and the
+           consumer warpgroups (WGMMA + softmax + epilogue).
+*/
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "block_info.h"
+#include "epilogue_fwd.h"
+#include "mainloop_fwd.h"
+#include "tile_scheduler.h"
+
+namespace jax_flash::sm90 {
+
+using namespace cute;
+
+template <class Traits>
+struct ForwardKernelParams {
+  typename ForwardMainloop<Traits>::Params mainloop;
+  typename ForwardEpilogue<Traits>::Params epilogue;
+  ForwardProblem problem;
+  TileSchedulerParams scheduler;
+};
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kNumThreads, 1)
+    forward_kernel(CUTE_GRID_CONSTANT ForwardKernelParams<Traits> const params) {
+  using Mainloop = ForwardMainloop<Traits>;
+  using Epilogue = ForwardEpilogue<Traits>;
+  using PipelineKV = typename Traits::PipelineKV;
+  using PipelineState = typename Traits::PipelineState;
+  using Info = typename Mainloop::Info;
+
+  extern __shared__ char shared_memory[];
+  auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(shared_memory);
+
+  const int warp_group = cutlass::canonical_warp_group_idx();
+  const bool is_producer = warp_group == 0;
+
+  if (threadIdx.x == 0) {
+    storage.barriers.q_full.init(/*arrive_count=*/1);
+    // Who frees Q: the thread that waited for the output store when O overwrites Q, else every
+    // consumer thread once its last QK^T GEMM is complete.
+    storage.barriers.q_empty.init(Traits::kOutputAliasesQuery ? 1 : Traits::kNumConsumerThreads);
+    Mainloop::prefetch_descriptors(params.mainloop);
+    Epilogue::prefetch_descriptors(params.epilogue);
+  }
+  typename PipelineKV::Params pipeline_params;
+  pipeline_params.transaction_bytes = Traits::kKVStageBytes;
+  pipeline_params.role = is_producer ? PipelineKV::ThreadCategory::Producer
+                                     : PipelineKV::ThreadCategory::Consumer;
+  pipeline_params.is_leader = threadIdx.x == 0;
+  pipeline_params.num_consumers = Traits::kNumConsumerThreads;
+  PipelineKV pipeline_k(storage.barriers.k, pipeline_params, Shape<_1, _1, _1>{});
+  PipelineKV pipeline_v(storage.barriers.v, pipeline_params, Shape<_1, _1, _1>{});
+  __syncthreads();  // barrier initialisation visible to every thread
+
+  StaticPersistentScheduler scheduler(params.scheduler);
+  if (is_producer) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+    if (threadIdx.x != 0) return;  // one thread issues every TMA load
+    PipelineState write_state = cutlass::make_producer_start_state<PipelineKV>();
+    uint32_t q_empty_phase = 1;  // the first wait on a fresh barrier passes
+    for (; scheduler.valid(); scheduler.advance()) {
+      const Info info(params.problem, scheduler.coord());
+      storage.barriers.q_empty.wait(q_empty_phase);
+      q_empty_phase ^= 1;
+      if (!info.empty()) {
+        Mainloop::load(params.mainloop, storage, pipeline_k, pipeline_v, write_state, info);
+      }
+    }
+    pipeline_k.producer_tail(write_state);
+    pipeline_v.producer_tail(write_state);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
+    const int thread_idx = threadIdx.x - kThreadsPerWarpGroup;
+    const int consumer_warp_group = warp_group - 1;
+    typename Traits::TiledMmaPV mma_pv;
+    PipelineState read_state;
+    uint32_t q_full_phase = 0;
+    auto release_q = [&] {
+      if constexpr (!Traits::kOutputAliasesQuery) storage.barriers.q_empty.arrive();
+    };
+    Mainloop::start_turns(consumer_warp_group);
+    for (; scheduler.valid(); scheduler.advance()) {
+      const Info info(params.problem, scheduler.coord());
+      Tensor tOrO = partition_fragment_C(mma_pv, select<0, 2>(typename Traits::TileShapeQK{}));
+      clear(tOrO);
+      OnlineSoftmax<2> softmax(params.mainloop.scale_log2);
+      if (!info.empty()) {
+        Mainloop::mma(params.mainloop, params.problem, storage, pipeline_k, pipeline_v, read_state,
+                      q_full_phase, info, thread_idx, tOrO, softmax, release_q);
+        q_full_phase ^= 1;
+      } else {
+        release_q();
+      }
+      Epilogue::store(params.epilogue, params.problem, storage, info, thread_idx, tOrO, softmax);
+      if constexpr (Traits::kOutputAliasesQuery) {
+        if (thread_idx == 0) storage.barriers.q_empty.arrive();
+      }
+    }
+    Mainloop::finish_turns(consumer_warp_group);
+    Epilogue::finish(thread_idx);
+  }
+}
+
+}  // namespace jax_flash::sm90

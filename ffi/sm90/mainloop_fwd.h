@@ -1,0 +1,213 @@
+/*! \file mainloop_fwd.h
+    \brief The forward mainloop of one tile: the producer's TMA loads of Q and of the K/V
+           pipeline, and the consumers' QK^T -> mask -> online softmax -> PV sequence.
+
+    Consumers overlap within a warpgroup: while the softmax of key block j runs, the wgmma of
+    P_{j+1} V_{j+1} (issued just before) proceeds on the tensor cores. Across warpgroups they
+    take turns issuing their GEMMs (named barriers), so one warpgroup's softmax overlaps the
+    other's GEMMs. Key blocks are visited from the last to the first, so the blocks that need
+    per-element masking (the sequence tail and the causal diagonal) come first.
+*/
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "block_info.h"
+#include "mask.h"
+#include "named_barriers.h"
+#include "softmax.h"
+#include "utils.h"
+
+namespace jax_flash::sm90 {
+
+using namespace cute;
+
+template <class Traits>
+struct ForwardMainloop {
+  using Element = typename Traits::Element;
+  using TileShapeQK = typename Traits::TileShapeQK;
+  using SharedStorage = typename Traits::SharedStorage;
+  using PipelineKV = typename Traits::PipelineKV;
+  using PipelineState = typename Traits::PipelineState;
+  using Info = BlockInfo<Traits::kBlockM, Traits::kBlockN>;
+  static constexpr int kNumConsumerWarpGroups = Traits::kNumConsumerWarpGroups;
+
+  struct Params {
+    typename Traits::TmaLoadQ tma_load_q;
+    typename Traits::TmaLoadKV tma_load_k;
+    typename Traits::TmaLoadKV tma_load_v;
+    typename Traits::ShapeSeq shape_q, shape_k, shape_v;
+    float scale_log2;
+  };
+
+  CUTE_DEVICE static void prefetch_descriptors(Params const& params) {
+    cute::prefetch_tma_descriptor(params.tma_load_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_load_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_load_v.get_tma_descriptor());
+  }
+
+  //! Producer (one thread): Q of the tile and every visible K/V block, into the pipelines.
+  CUTE_DEVICE static void load(Params const& params, SharedStorage& storage, PipelineKV& pipeline_k,
+                               PipelineKV& pipeline_v, PipelineState& write_state,
+                               Info const& info) {
+    Tensor sQ = make_tensor(make_smem_ptr(storage.tensors.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.tensors.k.data()), typename Traits::SmemLayoutKV{});
+    Tensor sV = make_tensor(make_smem_ptr(storage.tensors.v.data()), typename Traits::SmemLayoutKV{});
+
+    Tensor mQ = params.tma_load_q.get_tma_tensor(params.shape_q);
+    Tensor mK = params.tma_load_k.get_tma_tensor(params.shape_k);
+    Tensor mV = params.tma_load_v.get_tma_tensor(params.shape_v);
+    Tensor gQ = local_tile(mQ(_, _, info.head, info.q_batch), select<0, 2>(TileShapeQK{}),
+                           make_coord(info.m_block, _0{}));  // (M, D)
+    Tensor gK = local_tile(mK(_, _, info.kv_head, info.k_batch), select<1, 2>(TileShapeQK{}),
+                           make_coord(_, _0{}));  // (N, D, n)
+    Tensor gV = local_tile(mV(_, _, info.kv_head, info.v_batch), select<1, 2>(TileShapeQK{}),
+                           make_coord(_, _0{}));  // (N, D, n)
+
+    auto tma_q = params.tma_load_q.get_slice(_0{});
+    auto tma_k = params.tma_load_k.get_slice(_0{});
+    auto tma_v = params.tma_load_v.get_slice(_0{});
+    Tensor tQgQ = group_modes<0, 3>(tma_q.partition_S(gQ));  // (TMA)
+    Tensor tQsQ = group_modes<0, 3>(tma_q.partition_D(sQ));  // (TMA)
+    Tensor tKgK = group_modes<0, 3>(tma_k.partition_S(gK));  // (TMA, n)
+    Tensor tKsK = group_modes<0, 3>(tma_k.partition_D(sK));  // (TMA, stage)
+    Tensor tVgV = group_modes<0, 3>(tma_v.partition_S(gV));
+    Tensor tVsV = group_modes<0, 3>(tma_v.partition_D(sV));
+
+    auto load_k = [&](int n_block) {
+      pipeline_k.producer_acquire(write_state);
+      copy(params.tma_load_k.with(*pipeline_k.producer_get_barrier(write_state), 0),
+           tKgK(_, n_block), tKsK(_, write_state.index()));
+    };
+    auto load_v = [&](int n_block) {
+      pipeline_v.producer_acquire(write_state);
+      copy(params.tma_load_v.with(*pipeline_v.producer_get_barrier(write_state), 0),
+           tVgV(_, n_block), tVsV(_, write_state.index()));
+    };
+
+    // The first K block goes out before Q so both latencies overlap.
+    int n_block = info.n_block_max - 1;
+    load_k(n_block);
+    storage.barriers.q_full.arrive_and_expect_tx(Traits::kQBytes);
+    copy(params.tma_load_q.with(reinterpret_cast<uint64_t&>(storage.barriers.q_full), 0), tQgQ, tQsQ);
+    load_v(n_block);
+    ++write_state;
+    for (--n_block; n_block >= info.n_block_min; --n_block) {
+      load_k(n_block);
+      load_v(n_block);
+      ++write_state;
+    }
+  }
+
+  //! Warpgroup turn-taking for GEMM issue: wait for our turn, then pass it on.
+  CUTE_DEVICE static void wait_turn(int warp_group) {
+    if constexpr (kNumConsumerWarpGroups > 1) {
+      cutlass::arch::NamedBarrier::sync(
+          2 * kThreadsPerWarpGroup,
+          static_cast<uint32_t>(ForwardBarrier::kWarpGroupTurnFirst) + warp_group);
+    }
+  }
+  CUTE_DEVICE static void pass_turn(int warp_group) {
+    if constexpr (kNumConsumerWarpGroups > 1) {
+      cutlass::arch::NamedBarrier::arrive(
+          2 * kThreadsPerWarpGroup, static_cast<uint32_t>(ForwardBarrier::kWarpGroupTurnFirst) +
+                                        (warp_group + 1) % kNumConsumerWarpGroups);
+    }
+  }
+  //! Before the first tile the last warpgroup hands the first turn to warpgroup 0.
+  CUTE_DEVICE static void start_turns(int warp_group) {
+    if (warp_group == kNumConsumerWarpGroups - 1) pass_turn(warp_group);
+  }
+  //! After the last tile warpgroup 0 absorbs the turn the last warpgroup passed it.
+  CUTE_DEVICE static void finish_turns(int warp_group) {
+    if (warp_group == 0) wait_turn(warp_group);
+  }
+
+  //! Consumers: accumulates the unnormalised output of a non-empty tile into tOrO and the
+  //! row statistics into softmax. `release_q` is called once the last read of Q is complete.
+  template <class TensorO, class ReleaseQ>
+  CUTE_DEVICE static void mma(Params const& params, ForwardProblem const& problem,
+                              SharedStorage& storage, PipelineKV& pipeline_k,
+                              PipelineKV& pipeline_v, PipelineState& read_state, uint32_t q_phase,
+                              Info const& info, int thread_idx, TensorO& tOrO,
+                              OnlineSoftmax<2>& softmax, ReleaseQ&& release_q) {
+    const int warp_group = thread_idx / kThreadsPerWarpGroup;
+    Tensor sQ = make_tensor(make_smem_ptr(storage.tensors.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.tensors.k.data()), typename Traits::SmemLayoutKV{});
+    Tensor sVt = make_tensor(make_smem_ptr(storage.tensors.v.data()), typename Traits::SmemLayoutVt{});
+
+    typename Traits::TiledMmaQK mma_qk;
+    typename Traits::TiledMmaPV mma_pv;
+    auto thr_qk = mma_qk.get_thread_slice(thread_idx);
+    auto thr_pv = mma_pv.get_thread_slice(thread_idx);
+    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)
+    Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
+    Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+    Tensor tSrS = partition_fragment_C(mma_qk, select<0, 1>(TileShapeQK{}));
+    Tensor tOrP = make_tensor<Element>(accumulator_as_a_operand(tSrS.layout()));
+    Tensor s = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
+    Tensor o = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
+    ForwardMask<Traits::kBlockM, Traits::kBlockN, typename Traits::TiledMmaQK> mask(thread_idx);
+
+    auto mask_block = [&](int n_block) {
+      if (info.needs_mask(problem, n_block)) {
+        mask.apply(s, info, problem, n_block);
+      }
+    };
+    auto issue_qk = [&](PipelineState const& state) {
+      warpgroup_gemm</*kZeroInit=*/true, /*kWaitGroups=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), tSrS);
+    };
+    auto issue_pv = [&](PipelineState const& state) {
+      warpgroup_gemm</*kZeroInit=*/false, /*kWaitGroups=*/-1>(mma_pv, tOrP, tOrV(_, _, _, state.index()), tOrO);
+    };
+
+    storage.barriers.q_full.wait(q_phase);
+
+    // First (last-visited) key block: S, mask, softmax without history.
+    int n_block = info.n_block_max - 1;
+    pipeline_k.consumer_wait(read_state);
+    wait_turn(warp_group);
+    issue_qk(read_state);
+    pass_turn(warp_group);
+    warpgroup_wait<0>();
+    pipeline_k.consumer_release(read_state);
+    if (n_block == info.n_block_min) release_q();
+    mask_block(n_block);
+    softmax.template step</*kFirst=*/true>(s);
+    convert_into(tSrS, tOrP);
+    PipelineState v_state = read_state;
+    ++read_state;
+
+    // Steady state: S_j and P_{j+1} V_{j+1} in flight together.
+    for (--n_block; n_block >= info.n_block_min; --n_block) {
+      pipeline_k.consumer_wait(read_state);
+      wait_turn(warp_group);
+      issue_qk(read_state);
+      pipeline_v.consumer_wait(v_state);
+      issue_pv(v_state);
+      pass_turn(warp_group);
+      warpgroup_wait<1>();  // S_j complete; P V may still run
+      pipeline_k.consumer_release(read_state);
+      if (n_block == info.n_block_min) release_q();
+      mask_block(n_block);
+      const auto rescale = softmax.template step</*kFirst=*/false>(s);
+      warpgroup_wait<0>();  // P V complete: O may be rescaled and P overwritten
+      pipeline_v.consumer_release(v_state);
+      scale_rows(o, rescale);
+      convert_into(tSrS, tOrP);
+      v_state = read_state;
+      ++read_state;
+    }
+
+    // The first key block's P V.
+    pipeline_v.consumer_wait(v_state);
+    wait_turn(warp_group);
+    issue_pv(v_state);
+    pass_turn(warp_group);
+    warpgroup_wait<0>();
+    pipeline_v.consumer_release(v_state);
+  }
+};
+
+}  // namespace jax_flash::sm90

@@ -1,0 +1,58 @@
+/*! \file tile_scheduler.h
+    \brief Persistent tile scheduler: each CTA walks a static, strided sequence of
+           (query block, head, batch) tiles. Tiles are grouped in sections of heads whose K/V fit
+           in L2 together, and within a section the query blocks go longest first when a window
+           (causal) makes later blocks cheaper, so the static assignment stays balanced.
+*/
+#pragma once
+
+#include <cstdint>
+
+#include <cute/config.hpp>
+
+namespace jax_flash::sm90 {
+
+struct TileCoord {
+  int32_t m_block;
+  int32_t head;
+  int64_t batch;  //!< flat index over the problem's batch shape
+};
+
+struct TileSchedulerParams {
+  int32_t num_m_blocks = 0;
+  int32_t num_heads = 0;
+  int64_t num_heads_total = 0;     //!< num_heads * batch count
+  int64_t heads_per_section = 1;   //!< heads whose K/V share L2 while their blocks run
+  int64_t num_tiles = 0;
+  bool longest_first = false;      //!< visit query blocks from the last (most keys) to the first
+};
+
+class StaticPersistentScheduler {
+ public:
+  CUTE_DEVICE explicit StaticPersistentScheduler(TileSchedulerParams const& params)
+      : params_(params), tile_(blockIdx.x) {}
+
+  CUTE_DEVICE bool valid() const { return tile_ < params_.num_tiles; }
+  CUTE_DEVICE void advance() { tile_ += gridDim.x; }
+
+  CUTE_DEVICE TileCoord coord() const {
+    const int64_t section_tiles = params_.heads_per_section * params_.num_m_blocks;
+    const int64_t section = tile_ / section_tiles;
+    const int64_t offset = tile_ - section * section_tiles;
+    const int64_t first_head = section * params_.heads_per_section;
+    const int64_t heads = min(params_.heads_per_section, params_.num_heads_total - first_head);
+    const int64_t m_index = offset / heads;
+    const int64_t head_linear = first_head + (offset - m_index * heads);
+    TileCoord c;
+    c.m_block = params_.longest_first ? params_.num_m_blocks - 1 - int32_t(m_index) : int32_t(m_index);
+    c.batch = head_linear / params_.num_heads;
+    c.head = int32_t(head_linear - c.batch * params_.num_heads);
+    return c;
+  }
+
+ private:
+  TileSchedulerParams params_;
+  int64_t tile_;
+};
+
+}  // namespace jax_flash::sm90

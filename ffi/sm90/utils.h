@@ -1,0 +1,97 @@
+/*! \file utils.h
+    \brief Small device helpers for the Hopper kernels: warpgroup GEMM issue, register layout
+           views of WGMMA accumulators, numeric conversion, quad reductions.
+*/
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
+
+namespace jax_flash::sm90 {
+
+using namespace cute;
+
+inline constexpr int kThreadsPerWarpGroup = 128;
+
+//! Issues one warpgroup GEMM C (+)= A * B over all k-blocks as one wgmma batch.
+//! kWaitGroups >= 0 waits until at most that many batches are in flight; -1 leaves it async.
+template <bool kZeroInit, int kWaitGroups, class TiledMma, class TensorA, class TensorB,
+          class TensorC>
+CUTE_DEVICE void warpgroup_gemm(TiledMma& tiled_mma, TensorA const& a, TensorB const& b,
+                                TensorC& c) {
+  constexpr bool kAInRegisters =
+      !cute::is_same_v<typename TensorA::engine_type::iterator, GMMA::DescriptorIterator>;
+  // Operands in registers must not be touched by the compiler while wgmma reads them.
+  if constexpr (kAInRegisters) warpgroup_fence_operand(const_cast<TensorA&>(a));
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k_block = 0; k_block < size<2>(a); ++k_block) {
+    cute::gemm(tiled_mma, a(_, _, k_block), b(_, _, k_block), c);
+    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  if constexpr (kWaitGroups >= 0) warpgroup_wait<kWaitGroups>();
+  warpgroup_fence_operand(c);
+  if constexpr (kAInRegisters) warpgroup_fence_operand(const_cast<TensorA&>(a));
+}
+
+//! View of an SM90 accumulator ((2, 2, V), M, N) as (rows, cols): rows = (2, M), cols = (2, V, N).
+//! Each thread holds two rows of every 64-row atom (r and r + 8) and pairs of adjacent columns.
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto accumulator_rowcol(Layout acc) {
+  static_assert(decltype(rank(acc))::value == 3);
+  static_assert(decltype(rank<0>(acc))::value == 3);
+  return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)),
+                     make_layout(get<0, 0>(acc), get<0, 2>(acc), get<2>(acc)));
+}
+
+//! Reinterprets a 16-bit copy of an accumulator ((2, 2, V), M, N) as the register A operand of
+//! the next wgmma (k-blocks of 16 columns): ((2, 2, 2), M, (V / 2, N)). The per-thread register
+//! order of the two layouts coincides, so no data moves.
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto accumulator_as_a_operand(Layout acc) {
+  auto v = logical_divide(get<0>(acc), Shape<Underscore, Underscore, _2>{});  // (2, 2, (2, V/2))
+  return make_layout(make_layout(get<0>(v), get<1>(v), get<2, 0>(v)), get<1>(acc),
+                     make_layout(get<2, 1>(v), get<2>(acc)));
+}
+
+//! Converts register tensor `src` elementwise into `dst` (same size), in storage order and
+//! in pairs, so that `dst` may view the same registers through another layout.
+template <class SrcEngine, class SrcLayout, class DstEngine, class DstLayout>
+CUTE_DEVICE void convert_into(Tensor<SrcEngine, SrcLayout> const& src,
+                              Tensor<DstEngine, DstLayout>& dst) {
+  using From = typename SrcEngine::value_type;
+  using To = typename DstEngine::value_type;
+  constexpr int kSize = decltype(size(src))::value;
+  static_assert(kSize == decltype(size(dst))::value && kSize % 2 == 0);
+  using Converter = cutlass::NumericArrayConverter<To, From, 2>;
+  auto const* in = reinterpret_cast<cutlass::Array<From, 2> const*>(raw_pointer_cast(src.data()));
+  auto* out = reinterpret_cast<cutlass::Array<To, 2>*>(raw_pointer_cast(dst.data()));
+  CUTE_UNROLL
+  for (int i = 0; i < kSize / 2; ++i) out[i] = Converter::convert(in[i]);
+}
+
+//! 2^x on the special-function unit (ex2.approx, ~2 ulp); exp2(-inf) = +0.
+CUTE_DEVICE float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+//! Reduces over the 4 threads (a quad) that share one accumulator row.
+template <class Op>
+CUTE_DEVICE float quad_allreduce(float x, Op op) {
+  x = op(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return op(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+struct MaxOp {
+  CUTE_DEVICE float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+struct SumOp {
+  CUTE_DEVICE float operator()(float a, float b) const { return a + b; }
+};
+
+}  // namespace jax_flash::sm90
