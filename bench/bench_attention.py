@@ -423,23 +423,24 @@ def run_cell(shape: configs.Shape, opts: Options, key) -> dict:
       return None
     return references[dtype]
 
-  # The reference goes first so that its outputs are at hand for every comparison.
+  # Phase 1, one implementation after the other: compile, run once, compare. The reference goes
+  # first so that its outputs are at hand for every comparison.
   order = sorted(opts.impls, key=lambda name: name != REFERENCE)
+  ready: dict[str, tuple] = {}  # name -> (compiled, args, warm-up calls)
   for name in order:
     t_start = time.perf_counter()
     result: dict[str, Any] = {}
+    results[name] = result
     try:
       if name == "xla" and shape.logits_bytes_per_head() > opts.xla_max_logits_mib * 2**20:
-        result = {"status": STATUS_MEMORY,
-                  "logits_mib_per_head": shape.logits_bytes_per_head() / 2**20}
+        result.update(status=STATUS_MEMORY,
+                      logits_mib_per_head=shape.logits_bytes_per_head() / 2**20)
         if opts.platform == "cpu":
           # Compiling costs no memory: record what the run would have needed.
           prep = BUILDERS[name](shape, opts.platform, opts.mode)
           specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in inputs.args(prep.dtype)]
           compiled = jax.jit(make_timed(prep.fn, opts.mode)).lower(*specs).compile()
           result["memory"] = memory_stats(compiled)
-        results[name] = result
-        _log_result(name, result, opts.platform)
         continue
 
       prep = BUILDERS[name](shape, opts.platform, opts.mode)
@@ -455,6 +456,8 @@ def run_cell(shape: configs.Shape, opts: Options, key) -> dict:
       t0 = time.perf_counter()
       outputs = jax.block_until_ready(compiled(*args))
       result["first_call_s"] = time.perf_counter() - t0
+      if opts.platform == "cpu":
+        result["process_peak_rss_mib"] = peak_rss_mib()
 
       if name == REFERENCE:
         references.setdefault(prep.dtype, outputs)
@@ -470,33 +473,64 @@ def run_cell(shape: configs.Shape, opts: Options, key) -> dict:
         result["max_abs_diff"] = None
         result["diff_note"] = f"no reference: {reference_errors.get(prep.dtype, 'n/a')}"
       del outputs
-
       # A slow first call has already done whatever a warm-up would.
-      warmup = opts.warmup if result["first_call_s"] < 2.0 else 0
-      if opts.platform == "gpu":
-        times, timer = time_gpu(compiled, args, opts.iterations, warmup)
-      else:
-        times, timer = time_wall(compiled, args, opts.iterations, warmup), "wall"
-      ms = statistics.median(times)
-      result.update(status=STATUS_OK, timer=timer, iterations=len(times), ms=ms, ms_min=min(times),
-                    ms_all=times, flops_per_s=flops / (ms * 1e-3))
-      del compiled
+      ready[name] = (compiled, args, opts.warmup if result["first_call_s"] < 2.0 else 0)
     except Exception as e:
-      result["status"] = f"error: {short_reason(e)}"
+      _record_error(result, e)
       if name == REFERENCE:
         reference_errors.setdefault(result.get("dtype", shape.dtype), result["status"])
-      detail = str(e).strip()
-      if detail:
-        result["error_detail"] = detail[:2000]
-    result["wall_s"] = time.perf_counter() - t_start
-    if opts.platform == "cpu":
-      result["process_peak_rss_mib"] = peak_rss_mib()
-    results[name] = result
-    _log_result(name, result, opts.platform)
+    finally:
+      result["wall_s"] = time.perf_counter() - t_start
+  references.clear()
+
+  # Phase 2: timing.
+  times: dict[str, list[float]] = {name: [] for name in ready}
+  timers: dict[str, str] = {}
+  if opts.platform == "gpu":
+    # Device time does not depend on what the host does: one implementation after the other.
+    for name, (compiled, args, warmup) in ready.items():
+      try:
+        times[name], timers[name] = time_gpu(compiled, args, opts.iterations, warmup)
+      except Exception as e:
+        _record_error(results[name], e)
+  else:
+    # Wall-clock time does: interleave the implementations' calls so that a change in the
+    # machine's load affects them alike.
+    for name, (compiled, args, warmup) in ready.items():
+      try:
+        time_wall(compiled, args, 0, warmup)
+        timers[name] = "wall (interleaved)" if len(ready) > 1 else "wall"
+      except Exception as e:
+        _record_error(results[name], e)
+    for _ in range(opts.iterations):
+      for name, (compiled, args, _) in ready.items():
+        if name not in timers:
+          continue
+        try:
+          times[name] += time_wall(compiled, args, 1, 0)
+        except Exception as e:
+          _record_error(results[name], e)
+          del timers[name]
+  for name in ready:
+    result = results[name]
+    if name in timers and times[name]:
+      ms = statistics.median(times[name])
+      result.update(status=STATUS_OK, timer=timers[name], iterations=len(times[name]), ms=ms,
+                    ms_min=min(times[name]), ms_all=times[name], flops_per_s=flops / (ms * 1e-3))
+  ready.clear()
+  for name in order:
+    _log_result(name, results[name], opts.platform)
 
   ratio, best_peer = ratio_vs_best_peer(results)
   return {"shape": shape.to_dict(), "mode": opts.mode, "flops": flops, "results": results,
           "ratio_vs_best_peer": ratio, "best_peer": best_peer}
+
+
+def _record_error(result: dict, exc: BaseException) -> None:
+  result["status"] = f"error: {short_reason(exc)}"
+  detail = str(exc).strip()
+  if detail:
+    result["error_detail"] = detail[:2000]
 
 
 def _log_result(name: str, r: dict, platform: str) -> None:
