@@ -18,8 +18,9 @@ A case an implementation does not support, or any error, becomes an "error: <rea
 Timing: on the GPU, the kernels' device time of one call measured with CUPTI
 (jax.experimental.mosaic.gpu.profiler.measure), median over --iterations calls after a warm-up;
 on the CPU, the median wall-clock time of --iterations calls of the compiled function (after
---warmup calls), together with XLA's memory analysis of each compiled executable (buffers that an
-FFI handler allocates internally are not part of it). Throughput counts FlashAttention FLOPs:
+--warmup calls), the implementations' calls interleaved so that a change in the machine's load
+affects them alike. Both report XLA's memory analysis of each compiled executable (buffers that
+an FFI handler allocates internally are not part of it). Throughput counts FlashAttention FLOPs:
 4*B*N*T*S*H for the forward, halved when causal; fwd_bwd counts 3.5x the forward.
 
 Results: a table on stdout (printed cell by cell), and under --out (default bench/out) a JSON file
