@@ -1,0 +1,182 @@
+/*! \file tiles_cpu.h
+    \brief Tile-level steps shared by the forward and the backward: operand views, packing of
+           query-side tiles, logits tiles with bias and visibility applied.
+
+    Logits are computed identically in every pass: the query row is multiplied by the scale
+    when it is packed (rounded to the accumulation type), the dot product runs over the head
+    dimension in increasing order with one fused multiply-add per term, and the bias is added
+    after. The backward therefore recomputes exactly the forward's logits.
+*/
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "kernels_cpu.h"
+
+namespace jax_flash::cpu {
+
+template <typename A>
+constexpr A kNegInf = -std::numeric_limits<A>::infinity();
+
+//! Sizes of one call plus accessors for the (batch..., rows, heads, H) operands.
+struct Problem {
+  explicit Problem(const ForwardParams& params)
+      : p(params),
+        batch(params.shape.batch),
+        T(params.shape.seqlen_q),
+        S(params.shape.seqlen_k),
+        N(params.shape.num_heads),
+        K(params.shape.num_kv_heads),
+        H(params.shape.head_dim),
+        G(params.shape.num_heads / params.shape.num_kv_heads),
+        nb(params.shape.batch.count()),
+        dtype(params.shape.dtype),
+        options(Normalized(params.options, T, S)) {}
+
+  //! Windows that cannot cut anything become unbounded (-1), so that the index arithmetic on
+  //! them never overflows.
+  static AttentionOptions Normalized(AttentionOptions o, int64_t T, int64_t S) {
+    if (o.window_left >= T) o.window_left = -1;    // j >= i - left holds for every i < T
+    if (o.window_right >= S) o.window_right = -1;  // j <= i + right holds for every j < S
+    return o;
+  }
+
+  //! Offset of element (row, head, 0) of batch item b of a (batch..., rows, heads, H) operand.
+  int64_t RowOffset(const Operand& op, int64_t b, int64_t row, int64_t head) const {
+    return op.batch_offset(batch, b) + row * op.stride[0] + head * op.stride[1];
+  }
+  //! Offset of element (head, row) of batch item b of a (batch..., heads, rows) operand.
+  int64_t HeadRowOffset(const Operand& op, int64_t b, int64_t head, int64_t row) const {
+    return op.batch_offset(batch, b) + head * op.stride[0] + row * op.stride[1];
+  }
+  //! Offset of element (head, i, j) of a bias/mask-shaped operand (strides 0 where broadcast).
+  int64_t LogitOffset(const Operand& op, int64_t b, int64_t head, int64_t i, int64_t j) const {
+    return op.batch_offset(batch, b) + head * op.stride[0] + i * op.stride[1] + j * op.stride[2];
+  }
+
+  const ForwardParams& p;
+  const BatchShape& batch;
+  const int64_t T, S, N, K, H, G, nb;
+  const ElementType dtype;
+  const AttentionOptions options;  //!< windows normalised; use instead of p.options
+};
+
+//! Converted, scaled copy of rows [row0, row0 + rows) of head `head` of a (batch..., rows,
+//! heads, H) operand: `rows` x H, row stride H. Tiles are copied even when the operand already
+//! has the accumulation type: contiguous rows keep the broadcasts of the micro-kernel in few
+//! pages and clear of cache-set aliasing (row strides of K*H elements are often multiples of
+//! 4 KiB), for the price of one pass over the rows.
+template <typename A>
+void CopyRows(const Problem& pr, const Operand& op, int64_t b, int64_t row0, int64_t rows,
+              int64_t head, A scale, A* dst) {
+  const int64_t base = pr.RowOffset(op, b, row0, head);
+  for (int64_t r = 0; r < rows; ++r) {
+    ConvertRow<A>(op.data, pr.dtype, base + r * op.stride[0], pr.H, scale, dst + r * pr.H);
+  }
+}
+
+//! tile[d][i] = scale * op[row0 + i, head, d] for i < rows, 0 for rows <= i < kLanes:
+//! an H x kLanes tile with the rows on the lanes.
+template <typename A>
+void PackTransposed(const Problem& pr, const Operand& op, int64_t b, int64_t row0, int64_t rows,
+                    int64_t head, A scale, A* row_buffer, A* tile) {
+  constexpr int64_t L = kLanes<A>;
+  const int64_t H = pr.H;
+  const int64_t base = pr.RowOffset(op, b, row0, head);
+  for (int64_t i = 0; i < rows; ++i) {
+    ConvertRow<A>(op.data, pr.dtype, base + i * op.stride[0], H, scale, row_buffer);
+    for (int64_t d = 0; d < H; ++d) tile[d * L + i] = row_buffer[d];
+  }
+  if (rows < L) {
+    for (int64_t d = 0; d < H; ++d) {
+      for (int64_t i = rows; i < L; ++i) tile[d * L + i] = A(0);
+    }
+  }
+}
+
+//! Sets the lanes of one tile row outside [lo, hi] to -inf.
+template <typename A>
+inline void KeepLanes(A* row, int64_t lo, int64_t hi) {
+  constexpr int64_t L = kLanes<A>;
+  for (int64_t t = 0; t < L; ++t) row[t] = (t < lo || t > hi) ? kNegInf<A> : row[t];
+}
+
+//! Logits tile with the queries on the lanes: st[j][i] for keys j0 + j (j < nk) and queries
+//! i0 + i (i < ni live rows; other lanes hold finite junk that no result reads). The key
+//! rows come from `k_rows` (row stride k_stride) and the scaled queries from the packed qt.
+//! Bias is added; invisible entries (window, mask) become -inf. Keys past kv_len must not be
+//! in [j0, j0 + nk).
+template <typename A>
+void LogitsQueryLanes(const Problem& pr, int64_t b, int64_t n, int64_t i0, int64_t ni, int64_t j0,
+                      int64_t nk, const A* k_rows, int64_t k_stride, const A* qt, A* st) {
+  constexpr int64_t L = kLanes<A>;
+  const ForwardParams& p = pr.p;
+  Gemm<A>(st, L, nk, k_rows, k_stride, 1, qt, L, pr.H, false);
+  if (p.bias.present()) {
+    for (int64_t i = 0; i < ni; ++i) {
+      AddBias<A>(p.bias.data, p.bias.dtype, pr.LogitOffset(p.bias, b, n, i0 + i, j0),
+                 p.bias.stride[2], nk, st + i, L);
+    }
+  }
+  const AttentionOptions& o = pr.options;
+  if (WindowCutsBlock(o, i0, i0 + ni, j0, j0 + nk)) {
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t key = j0 + j;  // visible to rows key - right <= i <= key + left
+      const int64_t lo = o.window_right >= 0 ? key - o.window_right - i0 : 0;
+      const int64_t hi = o.window_left >= 0 ? key + o.window_left - i0 : L;
+      KeepLanes<A>(st + j * L, lo, hi);
+    }
+  }
+  if (p.mask.present()) {
+    const bool* mask = static_cast<const bool*>(p.mask.data);
+    const int64_t ms = p.mask.stride[2];
+    for (int64_t i = 0; i < ni; ++i) {
+      const bool* row = mask + pr.LogitOffset(p.mask, b, n, i0 + i, j0);
+      for (int64_t j = 0; j < nk; ++j) {
+        if (!row[j * ms]) st[j * L + i] = kNegInf<A>;
+      }
+    }
+  }
+}
+
+//! Logits tile with the keys on the lanes: s[i][j] for queries i0 + i (i < ni) and keys
+//! j0 + j (j < nj live lanes; lanes nj.. are -inf). `q_rows` are the scaled query rows
+//! (row stride H), kt the packed H x kLanes key tile.
+template <typename A>
+void LogitsKeyLanes(const Problem& pr, int64_t b, int64_t n, int64_t i0, int64_t ni, int64_t j0,
+                    int64_t nj, const A* q_rows, const A* kt, A* s) {
+  constexpr int64_t L = kLanes<A>;
+  const ForwardParams& p = pr.p;
+  Gemm<A>(s, L, ni, q_rows, pr.H, 1, kt, L, pr.H, false);
+  if (p.bias.present()) {
+    for (int64_t i = 0; i < ni; ++i) {
+      AddBias<A>(p.bias.data, p.bias.dtype, pr.LogitOffset(p.bias, b, n, i0 + i, j0),
+                 p.bias.stride[2], nj, s + i * L, 1);
+    }
+  }
+  const AttentionOptions& o = pr.options;
+  if (nj < L || WindowCutsBlock(o, i0, i0 + ni, j0, j0 + nj)) {
+    for (int64_t i = 0; i < ni; ++i) {
+      const int64_t row = i0 + i;  // sees keys row - left <= j <= row + right
+      const int64_t lo = o.window_left >= 0 ? row - o.window_left - j0 : 0;
+      int64_t hi = o.window_right >= 0 ? row + o.window_right - j0 : L;
+      hi = std::min<int64_t>(hi, nj - 1);
+      KeepLanes<A>(s + i * L, lo, hi);
+    }
+  }
+  if (p.mask.present()) {
+    const bool* mask = static_cast<const bool*>(p.mask.data);
+    const int64_t ms = p.mask.stride[2];
+    for (int64_t i = 0; i < ni; ++i) {
+      const bool* row = mask + pr.LogitOffset(p.mask, b, n, i0 + i, j0);
+      A* srow = s + i * L;
+      for (int64_t j = 0; j < nj; ++j) {
+        if (!row[j * ms]) srow[j] = kNegInf<A>;
+      }
+    }
+  }
+}
+
+}  // namespace jax_flash::cpu
