@@ -1,0 +1,87 @@
+"""The configuration table, what capabilities() reports, and how the extension was built."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import numpy as np
+
+import jax_flash
+from jax_flash import _config, _extension
+
+
+def _table():
+  return json.loads(pathlib.Path(_config.__file__).with_name("kernel_configs.json").read_text())
+
+
+def test_capabilities_agree_with_the_table():
+  caps = jax_flash.capabilities()
+  assert caps["cpu"]["dtypes"] == [d.name for d in _config.CPU_DTYPES]
+  assert caps["gpu"]["dtypes"] == [d.name for d in _config.GPU_DTYPES]
+  assert caps["gpu"]["built"] == _extension.cuda_built()
+  assert caps["gpu"]["tiles"] == [
+      dict(head_dim=t.head_dim, block_m=t.block_m, block_n=t.block_n, stages=t.stages)
+      for t in _config.SM90_FORWARD_TILES]
+  assert str(_config.GPU_MAX_HEAD_DIM) in caps["gpu"]["head_dims"]
+  assert str(_config.GPU_HEAD_DIM_MULTIPLE) in caps["gpu"]["head_dims"]
+
+
+def test_config_module_reads_the_json_table():
+  table = _table()
+  assert [d.name for d in _config.CPU_DTYPES] == table["cpu"]["dtypes"]
+  assert [d.name for d in _config.GPU_DTYPES] == table["sm90"]["dtypes"]
+  assert _config.GPU_HEAD_DIM_MULTIPLE == table["sm90"]["head_dim_multiple"]
+  assert [t.__dict__ for t in _config.SM90_FORWARD_TILES] == table["sm90"]["forward"]
+  assert _config.GPU_MAX_HEAD_DIM == max(row["head_dim"] for row in table["sm90"]["forward"])
+
+
+def test_table_is_consistent():
+  assert set(_config.GPU_DTYPES) <= set(_config.CPU_DTYPES)
+  assert len(set(_config.GPU_HEAD_DIMS)) == len(_config.GPU_HEAD_DIMS)
+  for tile in _config.SM90_FORWARD_TILES:
+    assert tile.head_dim % _config.GPU_HEAD_DIM_MULTIPLE == 0
+    assert tile.block_m > 0 and tile.block_n > 0 and tile.stages > 0
+
+
+def test_gpu_head_dim_supported_follows_the_table():
+  m, top = _config.GPU_HEAD_DIM_MULTIPLE, _config.GPU_MAX_HEAD_DIM
+  for h in range(0, top + 3 * m):
+    expected = 0 < h <= top and h % m == 0
+    assert _config.gpu_head_dim_supported(h) == expected, h
+
+
+def test_capabilities_is_plain_data():
+  """JSON-serialisable, so it can be printed or logged as is."""
+  caps = jax_flash.capabilities()
+  assert json.loads(json.dumps(caps)) == caps
+
+
+def test_gpu_available_needs_the_cuda_handlers(monkeypatch):
+  monkeypatch.setattr(_extension, "cuda_built", lambda: False)
+  assert jax_flash.gpu_available() is False
+
+
+def test_gpu_available_matches_the_devices():
+  try:
+    has_gpu = len(jax.devices("gpu")) > 0
+  except RuntimeError:
+    has_gpu = False
+  assert jax_flash.gpu_available() == (has_gpu and _extension.cuda_built())
+
+
+def test_build_info():
+  info = jax_flash.build_info()
+  assert info["cuda"] == _extension.cuda_built()
+  assert isinstance(info["jaxlib_version"], str) and info["jaxlib_version"]
+  major, minor = info["xla_ffi_api_version"]
+  assert major >= 0 and minor >= 0
+
+
+def test_registration_is_idempotent():
+  _extension.ensure_registered()
+  _extension.ensure_registered()
+  q = np.ones((1, 3, 1, 4), np.float32)
+  out = jax_flash.dot_product_attention(q, q, q)
+  np.testing.assert_array_equal(np.asarray(out), q)  # equal logits: the mean of equal values
