@@ -1,23 +1,34 @@
-"""The FFI calls and their custom_vjp.
+"""The FFI calls, their batching, partitioning and custom_vjp.
 
 Forward:  jax_flash_fwd(q, k, v, [bias], [mask], [q_len], [kv_len]) -> (out, lse (B, N, T))
 Backward: jax_flash_bwd(q, k, v, out, lse, dout, dlse, [bias], [mask], [q_len], [kv_len])
           -> (dq, dk, dv, [dbias])
 
-Batching: both calls use vmap_method="expand_dims". A vmapped axis arrives as a leading batch
-axis on every operand; operands that are not mapped get a leading axis of extent 1, which the
-kernels broadcast (no copies of K/V or bias). Nested vmaps stack further leading axes. The
-backward writes gradients with the full batch shape and jax sums them over the axes of unmapped
-primals. This covers vmap over any subset of the arguments, vmap(grad) and grad(vmap) with one
-mechanism, at the cost of per-mapped-element gradients for unmapped K/V before jax's sum.
+Layers, outermost first:
 
-The gradient also flows through the log-sum-exp: the backward folds dlse into the row term,
-dS = P * (dP - (rowsum(dO * O) - dlse)).
+  custom_vjp     `attention`: the gradient also flows through the log-sum-exp: the backward
+                 folds dlse into the row term, dS = P * (dP - (rowsum(dO * O) - dlse)).
+  custom_vmap    `_batched`: batching with the semantics of ffi_call's
+                 vmap_method="expand_dims". A vmapped axis arrives as a leading batch axis on
+                 every operand; operands that are not mapped get a leading axis of extent 1,
+                 which the kernels broadcast (no copies of K/V or bias). Nested vmaps stack
+                 further leading axes. The backward writes its gradients with the full batch
+                 shape (one per mapped problem; the bias gradient keeps the bias's own extent
+                 on its B axis) and jax sums them over the axes of unmapped primals. This covers
+                 vmap over any subset of the arguments, vmap(grad) and grad(vmap) with one
+                 mechanism. (custom_partitioning has no batching rule, hence this layer.)
+  custom_partitioning  `_sharding.partitioned`: under jit with sharded operands each device
+                 runs the call on its shard (batch and head sharding; see _sharding.py).
+  platform routing  `_forward_impl` / `_backward_impl`: the CPU runs both passes in the C++
+                 kernels. On CUDA the Hopper kernel runs the forward; calls with bias or mask
+                 arrays, and the backward, run through the blockwise JAX path (_blockwise.py,
+                 same semantics, O(T * block) memory) until Hopper kernels cover them. The
+                 choice is made per lowering platform (lax.platform_dependent), not at trace
+                 time.
 
-Platforms: the CPU runs both passes in the C++ kernels. On CUDA the Hopper kernel runs the
-forward; calls with bias or mask arrays, and the backward, run through the blockwise JAX path
-(_blockwise.py, same semantics, O(T * block) memory) until Hopper kernels cover them. The
-choice is made per lowering platform (lax.platform_dependent), not at trace time.
+All layers below the custom_vjp take operands with any number r >= 1 of leading batch axes
+(q (batch..., T, N, H), bias (batch..., N|1, T|1, S|1), lengths (batch...)); every batch axis
+of an operand has the problem's extent or 1.
 """
 
 from __future__ import annotations
@@ -25,9 +36,11 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from . import _blockwise, _extension
+from . import _blockwise, _extension, _sharding
 from ._validation import AttentionConfig
 
 
@@ -52,21 +65,42 @@ def _present(*operands):
   return [x for x in operands if x is not None]
 
 
+def _batch_shape(q, *operands) -> tuple[int, ...]:
+  """The problem's batch shape: per leading axis, the extent of the operands that are not 1."""
+  rank = q.ndim - 3
+  batch = list(q.shape[:rank])
+  for x in operands:
+    if x is not None:
+      for i in range(rank):
+        if x.shape[i] != 1:
+          batch[i] = x.shape[i]
+  return tuple(batch)
+
+
+# --- FFI calls ---------------------------------------------------------------------------------
+
+
 def _forward_call(config, q, k, v, bias, mask, q_len, kv_len):
   _extension.ensure_registered()
-  B, T, N, _ = q.shape
-  result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-                  jax.ShapeDtypeStruct((B, N, T), lse_dtype(q.dtype)))
+  batch = _batch_shape(q, k, v, bias, mask, q_len, kv_len)
+  T, N, _ = q.shape[-3:]
+  result_types = (jax.ShapeDtypeStruct(batch + q.shape[-3:], q.dtype),
+                  jax.ShapeDtypeStruct(batch + (N, T), lse_dtype(q.dtype)))
   call = jax.ffi.ffi_call(_extension.FORWARD_TARGET, result_types, vmap_method="expand_dims")
-  return call(q, k, v, *_present(bias, mask, q_len, kv_len),
-              **_attributes(config, bias, mask, q_len, kv_len))
+  return tuple(call(q, k, v, *_present(bias, mask, q_len, kv_len),
+                    **_attributes(config, bias, mask, q_len, kv_len)))
 
 
 def _backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len):
   _extension.ensure_registered()
-  result_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+  batch = _batch_shape(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len)
+  rank = len(batch)
+  result_types = [jax.ShapeDtypeStruct(batch + x.shape[rank:], x.dtype) for x in (q, k, v)]
   if bias is not None:
-    result_types.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
+    # The bias gradient has the full extent on the axes added by vmap (one gradient per mapped
+    # problem) and the bias's own extents elsewhere: the kernels sum over the axes where a
+    # problem broadcasts the bias.
+    result_types.append(jax.ShapeDtypeStruct(batch[:-1] + bias.shape[rank - 1:], bias.dtype))
   call = jax.ffi.ffi_call(_extension.BACKWARD_TARGET, tuple(result_types),
                           vmap_method="expand_dims")
   grads = call(q, k, v, out, lse, dout, dlse, *_present(bias, mask, q_len, kv_len),
@@ -75,22 +109,102 @@ def _backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_
   return dq, dk, dv, (grads[3] if bias is not None else None)
 
 
-def _forward(config, q, k, v, bias, mask, q_len, kv_len):
+# --- the blockwise path on several batch axes --------------------------------------------------
+
+
+def _over_batch_axes(fn, operands, batch):
+  """fn on canonical operands (one batch axis), applied over the leading batch axes of
+  `operands` by nested vmaps: an operand of extent 1 on an axis of larger extent is not mapped
+  there (broadcast). Results have the full extent on every mapped axis."""
+  if len(batch) == 1:
+    return fn(*operands)
+  extent = batch[0]
+  mapped = [x is not None and (x.shape[0] == extent) for x in operands]
+  args = [x if m or x is None else x[0] for x, m in zip(operands, mapped)]
+  in_axes = [0 if m else None for m in mapped]
+  inner = lambda *xs: _over_batch_axes(fn, xs, batch[1:])
+  return jax.vmap(inner, in_axes=in_axes)(*args)
+
+
+def _blockwise_forward(config, q, k, v, bias, mask, q_len, kv_len):
+  operands = (q, k, v, bias, mask, q_len, kv_len)
+  return tuple(_over_batch_axes(functools.partial(_blockwise.forward, config), operands,
+                                _batch_shape(*operands)))
+
+
+def _blockwise_backward(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len):
+  operands = (q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len)
+
+  def canonical(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len):
+    return _blockwise.backward(config, q, k, v, bias, mask, q_len, kv_len, out, lse, dout, dlse)
+
+  return tuple(_over_batch_axes(canonical, operands, _batch_shape(*operands)))
+
+
+# --- platform routing --------------------------------------------------------------------------
+
+
+def _forward_impl(spec: _sharding.CallSpec, q, k, v, bias, mask, q_len, kv_len):
+  config = spec.config
+
   def cuda(*operands):
     if bias is not None or mask is not None:
-      return _blockwise.forward(config, *operands)
+      return _blockwise_forward(config, *operands)
     return _forward_call(config, *operands)
 
-  return jax.lax.platform_dependent(q, k, v, bias, mask, q_len, kv_len,
-                                    cpu=functools.partial(_forward_call, config), cuda=cuda)
+  return tuple(lax.platform_dependent(q, k, v, bias, mask, q_len, kv_len,
+                                      cpu=functools.partial(_forward_call, config), cuda=cuda))
+
+
+def _backward_impl(spec: _sharding.CallSpec, q, k, v, out, lse, dout, dlse, bias, mask, q_len,
+                   kv_len):
+  config = spec.config
+  return tuple(lax.platform_dependent(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len,
+                                      cpu=functools.partial(_backward_call, config),
+                                      cuda=functools.partial(_blockwise_backward, config)))
+
+
+_partitioned_forward = _sharding.partitioned(_sharding.FORWARD, _forward_impl)
+_partitioned_backward = _sharding.partitioned(_sharding.BACKWARD, _backward_impl)
+
+
+# --- batching ----------------------------------------------------------------------------------
+
+
+def _expand_unbatched(in_batched, operands):
+  return [x if x is None or batched else jnp.expand_dims(x, 0)
+          for x, batched in zip(operands, in_batched)]
+
+
+@functools.lru_cache(maxsize=None)
+def _batched(kind: str, spec: _sharding.CallSpec):
+  """The partitioned call of `kind` ("fwd" or "bwd") with expand_dims batching."""
+  partitioned = _partitioned_forward if kind == "fwd" else _partitioned_backward
+
+  @jax.custom_batching.custom_vmap
+  def call(*operands):
+    return tuple(partitioned(spec, *operands))
+
+  @call.def_vmap
+  def rule(axis_size, in_batched, *operands):
+    del axis_size
+    results = call(*_expand_unbatched(in_batched, operands))
+    return results, tuple(None if x is None else True for x in results)
+
+  return call
+
+
+def _forward(config, q, k, v, bias, mask, q_len, kv_len):
+  spec = _sharding.CallSpec.of(config, bias, mask, q_len, kv_len)
+  return _batched("fwd", spec)(q, k, v, bias, mask, q_len, kv_len)
 
 
 def _backward(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len):
-  return jax.lax.platform_dependent(
-      q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len,
-      cpu=functools.partial(_backward_call, config),
-      cuda=lambda q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len: _blockwise.backward(
-          config, q, k, v, bias, mask, q_len, kv_len, out, lse, dout, dlse))
+  spec = _sharding.CallSpec.of(config, bias, mask, q_len, kv_len)
+  return _batched("bwd", spec)(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len)
+
+
+# --- custom_vjp --------------------------------------------------------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -114,4 +228,3 @@ def _attention_bwd(config, residuals, cotangents):
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
-

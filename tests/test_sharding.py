@@ -1,0 +1,344 @@
+"""Multi-device partitioning: sharded calls equal the single-device call and communicate only
+where the mathematics requires it.
+
+jax fixes its device count when it initialises, so the multi-device checks run in a child
+pytest process: `test_cpu_devices` starts one with 8 host CPU devices
+(--xla_force_host_platform_device_count=8), and the gpu-marked `test_gpu_devices` one on the
+machine's GPUs (at least 2). The child process collects the `check_*` tests of this file (they
+exist only there, selected by JAX_FLASH_SHARDING_CHILD) and runs them on the devices of its
+platform.
+
+Each check compares the sharded forward (output and log-sum-exp) and backward (gradients of
+query, key, value and bias for given output and lse cotangents) with the same computation on
+one device, and inspects the compiled multi-device program for collectives.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+CHILD_ENV = "JAX_FLASH_SHARDING_CHILD"
+CHILD = os.environ.get(CHILD_ENV)  # None, "cpu" or "gpu"
+CPU_DEVICES = 8
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def _run_child(platform: str, extra_env: dict) -> None:
+  env = dict(os.environ)
+  env.update(extra_env)
+  env[CHILD_ENV] = platform
+  env.pop("PYTEST_ADDOPTS", None)
+  # The child runs from the tests directory: the conftest and helpers are found, and the
+  # installed jax_flash (with its extension) is imported rather than a source tree.
+  cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+         str(pathlib.Path(__file__).name), "-k", "check_"]
+  proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
+  if proc.returncode != 0:
+    pytest.fail(f"multi-device checks failed on {platform} (exit {proc.returncode}):\n"
+                f"{proc.stdout[-12000:]}\n{proc.stderr[-4000:]}", pytrace=False)
+
+
+if CHILD is None:
+
+  def test_cpu_devices():
+    flags = os.environ.get("XLA_FLAGS", "")
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", flags)
+    _run_child("cpu", {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count="
+                                    f"{CPU_DEVICES}".strip()})
+
+  @pytest.mark.gpu
+  def test_gpu_devices():
+    import jax
+
+    from conftest import require_gpu
+
+    require_gpu()
+    if len(jax.devices("gpu")) < 2:
+      pytest.skip(f"needs 2 GPUs, found {len(jax.devices('gpu'))}")
+    _run_child("gpu", {})
+
+else:
+  # --- the multi-device checks (child process only) --------------------------------------------
+  import dataclasses
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+  import jax_flash
+
+  PLATFORM = CHILD
+  DEVICES = jax.devices(PLATFORM)
+  DTYPE = jnp.float32 if PLATFORM == "cpu" else jnp.bfloat16
+  HEAD_DIM = 16 if PLATFORM == "cpu" else 64
+  COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce",
+                 "reduce-scatter", "collective-broadcast")
+
+  @pytest.fixture(autouse=True)
+  def _platform_device():
+    with jax.default_device(DEVICES[0]):
+      yield
+
+  @dataclasses.dataclass(frozen=True)
+  class Setup:
+    """One problem and its sharding: mesh (x, y) with `batch_shards` x `head_shards` devices;
+    specs over the canonical axes (B, T, N, H) for the query and (B, S, K, H) for key/value."""
+
+    name: str
+    mesh: tuple[int, int]
+    q_spec: tuple
+    kv_spec: tuple | None = None  # None: like q_spec
+    N: int = 8
+    K: int = 8
+    B: int = 4
+    T: int = 16
+    S: int = 24
+    bias: str | None = None  # letters of the bias's non-broadcast axes among "BNTS"
+    bias_spec: tuple = ()
+    mask: str | None = None
+    mask_spec: tuple = ()
+    lengths: bool = False
+    is_causal: bool = True
+    explicit: bool = False
+    all_reduce: tuple = ()  # what may be all-reduced in the backward: "dbias", "dkv"
+
+  def _operand_shape(letters: str, s: Setup):
+    full = dict(B=s.B, N=s.N, T=s.T, S=s.S)
+    return tuple(full[c] if c in letters else 1 for c in "BNTS")
+
+  def _inputs(s: Setup, seed: int = 0):
+    rng = np.random.default_rng(seed)
+
+    def normal(shape, scale=1.0):
+      return jnp.asarray(rng.standard_normal(shape) * scale, DTYPE)
+
+    x = dict(q=normal((s.B, s.T, s.N, HEAD_DIM)), k=normal((s.B, s.S, s.K, HEAD_DIM)),
+             v=normal((s.B, s.S, s.K, HEAD_DIM)))
+    x["bias"] = None if s.bias is None else normal(_operand_shape(s.bias, s), 0.5)
+    if s.mask is None:
+      x["mask"] = None
+    else:
+      m = rng.random(_operand_shape(s.mask, s)) < 0.8
+      m[..., 0] = True  # every row sees a key
+      x["mask"] = jnp.asarray(m)
+    if s.lengths:
+      x["q_len"] = jnp.asarray(rng.integers(s.T // 2, s.T + 1, s.B), jnp.int32)
+      x["kv_len"] = jnp.asarray(rng.integers(s.S // 2, s.S + 1, s.B), jnp.int32)
+    else:
+      x["q_len"] = x["kv_len"] = None
+    x["dout"] = normal((s.B, s.T, s.N, HEAD_DIM))
+    x["dlse"] = jnp.asarray(rng.standard_normal((s.B, s.T, s.N)) * 0.1, jnp.float32)
+    return x
+
+  def _mesh(s: Setup):
+    count = s.mesh[0] * s.mesh[1]
+    if count > len(DEVICES):
+      pytest.skip(f"needs {count} {PLATFORM} devices, have {len(DEVICES)}")
+    kind = AxisType.Explicit if s.explicit else AxisType.Auto
+    return jax.make_mesh(s.mesh, ("x", "y"), axis_types=(kind, kind), devices=DEVICES[:count])
+
+  def _attention(s: Setup):
+    def f(q, k, v, bias, mask, q_len, kv_len):
+      return jax_flash.dot_product_attention(
+          q, k, v, bias, mask, is_causal=s.is_causal, query_seq_lengths=q_len,
+          key_value_seq_lengths=kv_len, return_residual=True)
+    return f
+
+  def _forward_and_grads(s: Setup):
+    """(out, lse, dq, dk, dv, dbias) for given cotangents, as one function."""
+    f = _attention(s)
+
+    def run(q, k, v, bias, mask, q_len, kv_len, dout, dlse):
+      def diff(q, k, v, bias):
+        return f(q, k, v, bias, mask, q_len, kv_len)
+      (out, lse), vjp = jax.vjp(diff, q, k, v, bias)
+      dq, dk, dv, dbias = vjp((dout, dlse))
+      return out, lse, dq, dk, dv, dbias
+
+    return run
+
+  ARGS = ("q", "k", "v", "bias", "mask", "q_len", "kv_len", "dout", "dlse")
+
+  def _shardings(s: Setup, mesh, x):
+    kv = s.q_spec if s.kv_spec is None else s.kv_spec
+    specs = dict(q=s.q_spec, k=kv, v=kv, bias=s.bias_spec, mask=s.mask_spec,
+                 q_len=s.q_spec[:1], kv_len=s.q_spec[:1], dout=s.q_spec,
+                 dlse=s.q_spec[:3])
+    return [None if x[a] is None else NamedSharding(mesh, P(*specs[a])) for a in ARGS]
+
+  def _place(x, shardings):
+    return [None if x[a] is None else jax.device_put(x[a], sh)
+            for a, sh in zip(ARGS, shardings)]
+
+  def _collective_shapes(hlo: str) -> dict[str, list[str]]:
+    """Result shapes of each collective in an HLO module (tuple results give several)."""
+    found = {}
+    for line in hlo.splitlines():
+      for name in COLLECTIVES:
+        m = re.search(rf"=\s*(.*?)\s+{name}(-start)?\(", line)
+        if m:
+          found.setdefault(name, []).extend(re.findall(r"\w+\[[\d,]*\]", m.group(1)))
+    return found
+
+  def _local_shape(global_shape, spec, mesh):
+    shape = list(global_shape)
+    for i, entry in enumerate(spec):
+      for axis in (() if entry is None else (entry,) if isinstance(entry, str) else entry):
+        shape[i] //= mesh.shape[axis]
+    return tuple(shape)
+
+  def _hlo_shape(shape, dtype) -> str:
+    name = {np.dtype(np.float32): "f32", np.dtype(jnp.bfloat16): "bf16",
+            np.dtype(np.float16): "f16", np.dtype(np.float64): "f64"}[np.dtype(dtype)]
+    return f"{name}[{','.join(map(str, shape))}]"
+
+  def _assert_same(name, ours, want):
+    ours, want = np.asarray(ours, np.float64), np.asarray(want, np.float64)
+    assert ours.shape == want.shape, (name, ours.shape, want.shape)
+    if PLATFORM == "cpu":
+      # The CPU kernels compute each (batch, head, row) alone, in a fixed order: a shard runs
+      # the very same arithmetic as the single-device call. Only sums across shards (a
+      # psum'd bias or shared key/value gradient) may add in another order: one float32
+      # rounding per addend.
+      tol = 0.0 if name not in ("dbias", "dk", "dv") else 1e-6 * max(1.0, np.abs(want).max())
+    else:
+      # On the GPU the backward runs through XLA (blockwise path), which may fuse a shard's
+      # smaller problem differently: bfloat16 results within a few units in the last place.
+      tol = 2.0 ** -6 * max(1.0, np.abs(want).max())
+    np.testing.assert_allclose(ours, want, rtol=0, atol=tol, err_msg=name)
+
+  def _check(s: Setup):
+    mesh = _mesh(s)
+    x = _inputs(s)
+    run = _forward_and_grads(s)
+    with jax.default_device(DEVICES[0]):
+      want = jax.jit(run)(*(x[a] for a in ARGS))
+    shardings = _shardings(s, mesh, x)
+    placed = _place(x, shardings)
+    fwd = jax.jit(lambda *a: _attention(s)(*a[:7]))
+    both = jax.jit(run)
+    got = both(*placed)
+    fwd_hlo = fwd.lower(*placed).compile().as_text()
+    bwd_hlo = both.lower(*placed).compile().as_text()
+    names = ("out", "lse", "dq", "dk", "dv", "dbias")
+    for name, a, b in zip(names, got, want):
+      if b is None:
+        assert a is None
+      else:
+        _assert_same(name, a, b)
+
+    # The kernels run on local shards: the forward custom call sees the local query.
+    q_local = _local_shape(x["q"].shape, s.q_spec, mesh)
+    calls = [l for l in fwd_hlo.splitlines() if "jax_flash_fwd" in l]
+    if PLATFORM == "cpu" or (s.bias is None and s.mask is None):  # else the blockwise path
+      assert calls and all(_hlo_shape(q_local, DTYPE) in l for l in calls), calls
+    if PLATFORM == "cpu":
+      assert any("jax_flash_bwd" in l for l in bwd_hlo.splitlines())
+
+    # Forward: no collective at all. Backward: only the all-reduces the layout requires.
+    assert not _collective_shapes(fwd_hlo), _collective_shapes(fwd_hlo)
+    found = _collective_shapes(bwd_hlo)
+    allowed = set()
+    if "dbias" in s.all_reduce:
+      local = _local_shape(x["bias"].shape, s.bias_spec, mesh)
+      allowed.add(_hlo_shape(local, DTYPE if DTYPE == jnp.float64 else jnp.float32))
+    if "dkv" in s.all_reduce:
+      local = _local_shape(x["k"].shape, (s.q_spec[0], None, None, None), mesh)
+      allowed.add(_hlo_shape(local, jnp.float32))
+    assert set(found) <= {"all-reduce"}, found
+    assert set(found.get("all-reduce", [])) <= allowed, (found, allowed)
+    if s.all_reduce and PLATFORM == "cpu":
+      assert found.get("all-reduce"), "expected the gradient reduction"
+    return got
+
+  # 2 x 4 on the 8 CPU devices; on GPUs, the cases that fit the devices.
+  SETUPS = [
+      Setup("batch", (2, 1), ("x",)),
+      Setup("batch-8", (2, 4), (("x", "y"),), B=8),
+      Setup("heads", (1, 4), (None, None, "y")),
+      Setup("batch-heads", (2, 4), ("x", None, "y")),
+      Setup("gqa-kv-heads-sharded", (2, 4), ("x", None, "y"), N=8, K=4),
+      Setup("gqa-kv-heads-replicated", (1, 4), (None, None, "y"), N=8, K=2,
+            kv_spec=(None,), all_reduce=("dkv",)),
+      Setup("mqa", (2, 4), ("x", None, "y"), N=8, K=1, kv_spec=("x",), all_reduce=("dkv",)),
+      Setup("bias-mask-lengths", (2, 4), ("x", None, "y"), bias="BNTS",
+            bias_spec=("x", "y"), mask="BTS", mask_spec=("x",), lengths=True),
+      Setup("bias-broadcast-batch", (2, 4), ("x", None, "y"), bias="NTS",
+            bias_spec=(None, "y"), all_reduce=("dbias",)),
+      Setup("bias-broadcast-heads", (2, 4), ("x", None, "y"), bias="BTS",
+            bias_spec=("x",), all_reduce=("dbias",)),
+      Setup("explicit-mesh", (2, 4), ("x", None, "y"), N=8, K=4, explicit=True),
+  ]
+  if PLATFORM == "gpu":
+    SETUPS = [dataclasses.replace(s, mesh=(min(s.mesh[0], 2), 1 if s.mesh[0] > 1 else
+                                          min(s.mesh[1], 2)))
+              for s in SETUPS if s.name != "batch-8"]
+
+  @pytest.mark.parametrize("setup", SETUPS, ids=lambda s: s.name)
+  def test_check_sharded_equals_single_device(setup):
+    _check(setup)
+
+  def test_check_vmap_over_a_sharded_axis():
+    """vmap adds a leading batch axis, which may be sharded like any batch axis; the unmapped
+    key/value get one gradient summed over the mapped problems (by jax, across shards)."""
+    s = Setup("vmap", (2, 4), ("x", None, "y"))
+    mesh = _mesh(s)
+    rng = np.random.default_rng(3)
+    M = 2
+    q = jnp.asarray(rng.standard_normal((M, s.B, s.T, s.N, HEAD_DIM)), DTYPE)
+    k = jnp.asarray(rng.standard_normal((s.B, s.S, s.K, HEAD_DIM)), DTYPE)
+    v = jnp.asarray(rng.standard_normal((s.B, s.S, s.K, HEAD_DIM)), DTYPE)
+    dout = jnp.asarray(rng.standard_normal(q.shape), DTYPE)
+
+    def run(q, k, v, dout):
+      f = jax.vmap(lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=True),
+                   in_axes=(0, None, None))
+      out, vjp = jax.vjp(f, q, k, v)
+      return (out,) + vjp(dout)
+
+    want = jax.jit(run)(q, k, v, dout)
+    q_sharding = NamedSharding(mesh, P("x", None, None, "y"))
+    kv_sharding = NamedSharding(mesh, P(None, None, "y"))
+    placed = [jax.device_put(a, sh) for a, sh in
+              ((q, q_sharding), (k, kv_sharding), (v, kv_sharding), (dout, q_sharding))]
+    got = jax.jit(run)(*placed)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+      _assert_same(name, a, b)
+    fwd = jax.jit(jax.vmap(lambda q, k, v: jax_flash.dot_product_attention(q, k, v),
+                           in_axes=(0, None, None)))
+    hlo = fwd.lower(*placed[:3]).compile().as_text()
+    assert not _collective_shapes(hlo)
+    assert _hlo_shape((1, s.B, s.T, s.N // 4, HEAD_DIM), DTYPE) in hlo
+
+  @pytest.mark.parametrize("axis", ["T", "S", "H"])
+  def test_check_sequence_or_head_dim_sharding_raises(axis):
+    s = Setup("seq", (2, 1), ("x",))
+    mesh = _mesh(s)
+    x = _inputs(s)
+    q_spec = {"T": (None, "x"), "S": (), "H": (None, None, None, "x")}[axis]
+    kv_spec = {"T": (), "S": (None, "x"), "H": (None, None, None, "x")}[axis]
+    what = {"T": r"query \(shape .*\) is sharded along its query sequence axis \(T\)",
+            "S": r"key \(shape .*\) is sharded along its key/value sequence axis \(S\)",
+            "H": r"query \(shape .*\) is sharded along its head dim axis \(H\)"}[axis]
+    q = jax.device_put(x["q"], NamedSharding(mesh, P(*q_spec)))
+    k = jax.device_put(x["k"], NamedSharding(mesh, P(*kv_spec)))
+    v = jax.device_put(x["v"], NamedSharding(mesh, P(*kv_spec)))
+    f = jax.jit(lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=True))
+    with pytest.raises(Exception, match=what):
+      f.lower(q, k, v).compile()
+
+  def test_check_incompatible_head_sharding_raises():
+    s = Setup("heads", (1, 4), (None, None, "y"), N=12, K=3)
+    mesh = _mesh(s)
+    x = _inputs(s)
+    q = jax.device_put(x["q"], NamedSharding(mesh, P(None, None, "y")))
+    f = jax.jit(lambda q, k, v: jax_flash.dot_product_attention(q, k, v))
+    with pytest.raises(Exception, match="must divide K or be a multiple of K"):
+      f.lower(q, x["k"], x["v"]).compile()
