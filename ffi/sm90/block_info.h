@@ -14,6 +14,29 @@
 
 namespace jax_flash::sm90 {
 
+//! Batch axes as the device walks them: coalesced on the host (axes of extent 1 dropped,
+//! adjacent axes that every operand maps alike merged), so usually one axis, and 32-bit.
+struct DeviceBatch {
+  int32_t rank = 0;
+  int32_t extent[kMaxBatchRank] = {};
+};
+
+//! Per operand: stride of each device batch axis in that operand's own batch items (0 where
+//! the operand broadcasts the axis).
+struct DeviceBatchMap {
+  int32_t stride[kMaxBatchRank] = {};
+
+  CUTE_HOST_DEVICE int32_t operator()(DeviceBatch const& batch, int32_t b) const {
+    if (batch.rank <= 1) return b * stride[0];
+    int32_t own = 0;
+    for (int i = batch.rank - 1; i >= 0; --i) {
+      own += (b % batch.extent[i]) * stride[i];
+      b /= batch.extent[i];
+    }
+    return own;
+  }
+};
+
 //! The runtime scalars of a forward problem that the device needs besides the TMA descriptors.
 struct ForwardProblem {
   int32_t seqlen_q = 0;
@@ -22,12 +45,10 @@ struct ForwardProblem {
   int32_t group_size = 1;  //!< query heads per key/value head
   int32_t window_left = -1;   //!< -1: unbounded
   int32_t window_right = -1;  //!< -1: unbounded
-  BatchShape batch;
-  BatchMap q_batch, k_batch, v_batch;
+  DeviceBatch batch;
+  DeviceBatchMap q_batch, k_batch, v_batch, q_seqlens_batch, kv_seqlens_batch;
   const int32_t* q_seqlens = nullptr;
-  BatchMap q_seqlens_batch;
   const int32_t* kv_seqlens = nullptr;
-  BatchMap kv_seqlens_batch;
 };
 
 template <int kBlockM, int kBlockN>
@@ -35,23 +56,23 @@ struct BlockInfo {
   int32_t m_block;
   int32_t head;
   int32_t kv_head;
-  int64_t out_batch;  //!< batch item of out/lse (always the full batch shape)
+  int32_t out_batch;  //!< batch item of out/lse (always the full batch shape)
   int32_t q_batch, k_batch, v_batch;
   int32_t q_len, kv_len;
   int32_t n_block_min, n_block_max;  //!< key blocks [min, max) may hold visible keys
 
   CUTE_DEVICE BlockInfo(ForwardProblem const& p, TileCoord const& c)
       : m_block(c.m_block), head(c.head), kv_head(c.head / p.group_size), out_batch(c.batch) {
-    q_batch = int32_t(map_batch(p.batch, p.q_batch, c.batch));
-    k_batch = int32_t(map_batch(p.batch, p.k_batch, c.batch));
-    v_batch = int32_t(map_batch(p.batch, p.v_batch, c.batch));
+    q_batch = p.q_batch(p.batch, c.batch);
+    k_batch = p.k_batch(p.batch, c.batch);
+    v_batch = p.v_batch(p.batch, c.batch);
     q_len = p.seqlen_q;
     if (p.q_seqlens != nullptr) {
-      q_len = max(0, min(p.seqlen_q, p.q_seqlens[map_batch(p.batch, p.q_seqlens_batch, c.batch)]));
+      q_len = max(0, min(p.seqlen_q, p.q_seqlens[p.q_seqlens_batch(p.batch, c.batch)]));
     }
     kv_len = p.seqlen_k;
     if (p.kv_seqlens != nullptr) {
-      kv_len = max(0, min(p.seqlen_k, p.kv_seqlens[map_batch(p.batch, p.kv_seqlens_batch, c.batch)]));
+      kv_len = max(0, min(p.seqlen_k, p.kv_seqlens[p.kv_seqlens_batch(p.batch, c.batch)]));
     }
     const int32_t m_start = m_block * kBlockM;
     const int32_t m_end = min(m_start + kBlockM, q_len);  // rows past q_len are padding

@@ -40,10 +40,11 @@ struct ForwardKernelTraits {
   static constexpr int kNumThreads = kNumConsumerThreads + kThreadsPerWarpGroup;
   static_assert(kBlockM % 64 == 0 && kNumConsumerWarpGroups >= 1 && kNumConsumerWarpGroups <= 3);
 
-  // setmaxnreg budgets: the producer keeps the minimum, consumers share what the launch
-  // allocation leaves (registers_at_launch * threads is all the block owns).
+  // setmaxnreg budgets: consumers share what the launch allocation (all the block owns) leaves
+  // after the producer. The producer keeps enough to address the pipelines without spilling:
+  // 32 leaves three consumer warpgroups 160 each; with two, 40 still leaves them 232.
   static constexpr int kRegistersOwned = registers_at_launch(kNumThreads) * kNumThreads;
-  static constexpr int kProducerRegisters = 24;
+  static constexpr int kProducerRegisters = kNumConsumerWarpGroups >= 3 ? 32 : 40;
   static constexpr int kConsumerRegisters =
       cute::min(256, (kRegistersOwned - kProducerRegisters * kThreadsPerWarpGroup) /
                          kNumConsumerThreads / 8 * 8);

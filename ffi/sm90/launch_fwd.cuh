@@ -37,6 +37,42 @@ inline int64_t own_batch_items(const BatchShape& shape, const BatchMap& map) {
   return items;
 }
 
+//! Coalesces the problem's batch axes for the device: drops extent-1 axes and merges adjacent
+//! axes that every operand either broadcasts or holds contiguously. The flat batch index is
+//! unchanged (row-major over the remaining axes), so results land where the host expects.
+template <size_t kOperands>
+void coalesce_batch(const BatchShape& shape, const BatchMap* const (&maps)[kOperands],
+                    DeviceBatch* device, DeviceBatchMap* const (&device_maps)[kOperands]) {
+  struct Axis {
+    int64_t extent;
+    int64_t stride[kOperands];
+  };
+  Axis axes[kMaxBatchRank];
+  int count = 0;
+  for (int i = shape.rank - 1; i >= 0; --i) {  // innermost first
+    if (shape.extent[i] == 1) continue;
+    bool merge = count > 0;
+    for (size_t op = 0; merge && op < kOperands; ++op) {
+      const int64_t outer = maps[op]->stride[i], inner = axes[count - 1].stride[op];
+      merge = (outer == 0 && inner == 0) ||
+              (outer != 0 && inner != 0 && outer == inner * axes[count - 1].extent);
+    }
+    if (merge) {
+      axes[count - 1].extent *= shape.extent[i];
+    } else {
+      axes[count].extent = shape.extent[i];
+      for (size_t op = 0; op < kOperands; ++op) axes[count].stride[op] = maps[op]->stride[i];
+      ++count;
+    }
+  }
+  device->rank = count;
+  for (int a = 0; a < count; ++a) {  // back to outermost first
+    const Axis& axis = axes[count - 1 - a];
+    device->extent[a] = int32_t(axis.extent);
+    for (size_t op = 0; op < kOperands; ++op) device_maps[op]->stride[a] = int32_t(axis.stride[op]);
+  }
+}
+
 //! Global tensor (sequence, head dim, heads, batch items) of a BTNH operand read in place.
 template <class Traits>
 auto sequence_tensor(const Operand& op, int64_t seqlen, int64_t heads, int64_t head_dim,
@@ -61,14 +97,11 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   problem.group_size = int32_t(s.group_size());
   problem.window_left = int32_t(p.options.window_left);
   problem.window_right = int32_t(p.options.window_right);
-  problem.batch = s.batch;
-  problem.q_batch = p.q.batch;
-  problem.k_batch = p.k.batch;
-  problem.v_batch = p.v.batch;
+  coalesce_batch(s.batch, {&p.q.batch, &p.k.batch, &p.v.batch, &p.q_seqlens.batch, &p.kv_seqlens.batch},
+                 &problem.batch, {&problem.q_batch, &problem.k_batch, &problem.v_batch,
+                                  &problem.q_seqlens_batch, &problem.kv_seqlens_batch});
   problem.q_seqlens = static_cast<const int32_t*>(p.q_seqlens.data);
-  problem.q_seqlens_batch = p.q_seqlens.batch;
   problem.kv_seqlens = static_cast<const int32_t*>(p.kv_seqlens.data);
-  problem.kv_seqlens_batch = p.kv_seqlens.batch;
 
   auto gQ = sequence_tensor<Traits>(p.q, s.seqlen_q, s.num_heads, s.head_dim, s.batch);
   auto gK = sequence_tensor<Traits>(p.k, s.seqlen_k, s.num_kv_heads, s.head_dim, s.batch);
@@ -94,20 +127,26 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   kp.epilogue.lse = static_cast<float*>(p.lse.data);
 
   TileSchedulerParams& sched = kp.scheduler;
-  sched.num_m_blocks = int32_t((s.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM);
+  const int64_t num_m_blocks = (s.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  const int64_t num_heads_total = s.num_heads * s.batch.count();
+  const int64_t num_tiles = num_heads_total * num_m_blocks;
+  if (num_tiles == 0) return Status::Ok();
+  if (num_tiles > INT32_MAX - context.sm_count) {
+    return Status::InvalidArgument("jax_flash: too many query blocks x heads x batch (" +
+                                   std::to_string(num_tiles) + ") for the Hopper forward kernel");
+  }
+  sched.num_m_blocks = int32_t(num_m_blocks);
   sched.num_heads = int32_t(s.num_heads);
-  sched.num_heads_total = s.num_heads * s.batch.count();
-  sched.num_tiles = sched.num_heads_total * sched.num_m_blocks;
+  sched.num_heads_total = int32_t(num_heads_total);
+  sched.num_tiles = int32_t(num_tiles);
   // Heads per section: as many as keep their K and V within half of L2 (the rest serves Q/O).
   const int64_t kv_bytes_per_head = 2 * s.seqlen_k * s.head_dim * int64_t(sizeof(Element));
-  sched.heads_per_section = std::clamp<int64_t>(
-      (int64_t(context.l2_bytes) / 2) / std::max<int64_t>(kv_bytes_per_head, 1), 1,
-      std::max<int64_t>(sched.num_heads_total, 1));
+  sched.heads_per_section = int32_t(std::clamp<int64_t>(
+      (int64_t(context.l2_bytes) / 2) / std::max<int64_t>(kv_bytes_per_head, 1), 1, num_heads_total));
   // A window (causal) makes later query blocks see more keys: schedule them first.
   sched.longest_first = p.options.window_left >= 0 || p.options.window_right >= 0;
-  if (sched.num_tiles == 0) return Status::Ok();
 
-  const int grid = int(std::min<int64_t>(sched.num_tiles, context.sm_count));
+  const int grid = std::min(sched.num_tiles, context.sm_count);
   const int smem_bytes = Traits::kSharedStorageBytes;
   auto kernel = forward_kernel<Traits>;
   cudaError_t err =

@@ -15,15 +15,16 @@ namespace jax_flash::sm90 {
 struct TileCoord {
   int32_t m_block;
   int32_t head;
-  int64_t batch;  //!< flat index over the problem's batch shape
+  int32_t batch;  //!< flat index over the problem's batch shape
 };
 
+//! 32-bit throughout: the host checks that the tile count fits.
 struct TileSchedulerParams {
   int32_t num_m_blocks = 0;
   int32_t num_heads = 0;
-  int64_t num_heads_total = 0;     //!< num_heads * batch count
-  int64_t heads_per_section = 1;   //!< heads whose K/V share L2 while their blocks run
-  int64_t num_tiles = 0;
+  int32_t num_heads_total = 0;     //!< num_heads * batch count
+  int32_t heads_per_section = 1;   //!< heads whose K/V share L2 while their blocks run
+  int32_t num_tiles = 0;
   bool longest_first = false;      //!< visit query blocks from the last (most keys) to the first
 };
 
@@ -36,23 +37,23 @@ class StaticPersistentScheduler {
   CUTE_DEVICE void advance() { tile_ += gridDim.x; }
 
   CUTE_DEVICE TileCoord coord() const {
-    const int64_t section_tiles = params_.heads_per_section * params_.num_m_blocks;
-    const int64_t section = tile_ / section_tiles;
-    const int64_t offset = tile_ - section * section_tiles;
-    const int64_t first_head = section * params_.heads_per_section;
-    const int64_t heads = min(params_.heads_per_section, params_.num_heads_total - first_head);
-    const int64_t m_index = offset / heads;
-    const int64_t head_linear = first_head + (offset - m_index * heads);
+    const int32_t section_tiles = params_.heads_per_section * params_.num_m_blocks;
+    const int32_t section = tile_ / section_tiles;
+    const int32_t offset = tile_ - section * section_tiles;
+    const int32_t first_head = section * params_.heads_per_section;
+    const int32_t heads = min(params_.heads_per_section, params_.num_heads_total - first_head);
+    const int32_t m_index = offset / heads;
+    const int32_t head_linear = first_head + (offset - m_index * heads);
     TileCoord c;
-    c.m_block = params_.longest_first ? params_.num_m_blocks - 1 - int32_t(m_index) : int32_t(m_index);
+    c.m_block = params_.longest_first ? params_.num_m_blocks - 1 - m_index : m_index;
     c.batch = head_linear / params_.num_heads;
-    c.head = int32_t(head_linear - c.batch * params_.num_heads);
+    c.head = head_linear - c.batch * params_.num_heads;
     return c;
   }
 
  private:
   TileSchedulerParams params_;
-  int64_t tile_;
+  int32_t tile_;
 };
 
 }  // namespace jax_flash::sm90
