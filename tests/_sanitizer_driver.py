@@ -1,0 +1,63 @@
+"""Runs the Hopper forward kernel on small problems of every compiled tile, for
+compute-sanitizer (tests/test_gpu_sanitizer.py starts this script under it).
+
+Cases: each compiled head dim and dtype, causal and not, a local window, ragged query and
+key/value lengths (zero and past the end included), grouped-query heads, and sizes that are not
+multiples of any tile. Every output is checked to be finite, so a kernel that reads garbage
+fails here too.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_flash
+from jax_flash import _config
+
+
+def cases():
+  for tile in _config.SM90_FORWARD_TILES:
+    for dtype in _config.GPU_DTYPES:
+      for is_causal in (False, True):
+        yield dict(H=tile.head_dim, dtype=dtype, is_causal=is_causal, window=None, lengths=False)
+    yield dict(H=tile.head_dim, dtype=_config.GPU_DTYPES[0], is_causal=False, window=(37, 5),
+               lengths=True)
+    yield dict(H=tile.head_dim, dtype=_config.GPU_DTYPES[0], is_causal=True, window=None,
+               lengths=True)
+
+
+def run(H, dtype, is_causal, window, lengths, B=3, T=227, S=301, N=4, K=2):
+  kq, kk, kv = jax.random.split(jax.random.key(H), 3)
+  q = jax.random.normal(kq, (B, T, N, H), dtype)
+  k = jax.random.normal(kk, (B, S, K, H), dtype)
+  v = jax.random.normal(kv, (B, S, K, H), dtype)
+  kwargs = dict(is_causal=is_causal, local_window_size=window)
+  if lengths:
+    kwargs.update(query_seq_lengths=jnp.array([T, 0, 100], jnp.int32),
+                  key_value_seq_lengths=jnp.array([S + 5, 130, 0], jnp.int32))
+  out, lse = jax.jit(lambda q, k, v: jax_flash.dot_product_attention(
+      q, k, v, return_residual=True, **kwargs))(q, k, v)
+  out = np.asarray(out.astype(jnp.float32))
+  if not np.isfinite(out).all():
+    raise AssertionError(f"non-finite output for H={H} {dtype} causal={is_causal} "
+                         f"window={window} lengths={lengths}")
+  return out
+
+
+def main() -> int:
+  if not jax_flash.gpu_available():
+    print("no GPU or no CUDA handlers", file=sys.stderr)
+    return 2
+  with jax.default_device(jax.devices("gpu")[0]):
+    for case in cases():
+      run(**case)
+      print("ok", case, flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

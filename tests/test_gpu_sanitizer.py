@@ -1,0 +1,50 @@
+"""compute-sanitizer (memcheck, racecheck, synccheck) over the Hopper forward kernel on small
+problems of every compiled tile (tests/_sanitizer_driver.py). GPU only; skipped (or failed with
+JAX_FLASH_REQUIRE_GPU=1) without a GPU, and skipped when compute-sanitizer is not installed."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import require_gpu
+
+DRIVER = pathlib.Path(__file__).resolve().with_name("_sanitizer_driver.py")
+
+
+def _sanitizer() -> str | None:
+  found = shutil.which("compute-sanitizer")
+  if found:
+    return found
+  cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+  candidate = pathlib.Path(cuda_home) / "bin" / "compute-sanitizer"
+  return str(candidate) if candidate.exists() else None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
+def test_forward_kernel_is_clean_under_compute_sanitizer(tool):
+  require_gpu()
+  sanitizer = _sanitizer()
+  if sanitizer is None:
+    pytest.skip("compute-sanitizer not found")
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  cmd = [sanitizer, "--tool", tool, "--error-exitcode", "99",
+         # Only jax_flash's kernels: XLA's and cuDNN's own kernels are not under test.
+         "--kernel-name", "kns=forward_kernel", sys.executable, str(DRIVER)]
+  result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+  report = result.stdout[-4000:] + result.stderr[-4000:]
+  assert result.returncode == 0, f"{tool} exit status {result.returncode}:\n{report}"
+  assert "ERROR SUMMARY: 0 errors" in result.stdout + result.stderr, report
+  assert result.stdout.count("ok {") == sum(1 for _ in _cases()), report
+
+
+def _cases():
+  sys.path.insert(0, str(DRIVER.parent))
+  import _sanitizer_driver
+  return _sanitizer_driver.cases()
