@@ -11,7 +11,16 @@ import threading
 import jax
 import jaxlib
 
-from . import _jax_flash_ext
+try:
+  from . import _jax_flash_ext
+except ImportError as err:
+  import os as _os
+  _package_dir = _os.path.dirname(_os.path.abspath(__file__))
+  raise ImportError(
+      f"jax_flash's compiled extension is missing from {_package_dir}. If that is the source "
+      "checkout, Python is importing it instead of the installed package (the current directory "
+      "comes first on sys.path): run from another directory or with 'python -P'. Otherwise "
+      "install with 'pip install --no-build-isolation .' (see README).") from err
 
 FORWARD_TARGET = "jax_flash_fwd"
 BACKWARD_TARGET = "jax_flash_bwd"
