@@ -7,8 +7,9 @@
     No result is accumulated by more than one task, and every sum runs in a fixed order, so
     the results do not depend on the number of threads or on scheduling.
 
-    0. Row terms (parallel over heads): D and the saved lse per query row; padded rows and rows
-       that saw no key get lse = +inf (so P = 0) and D = 0.
+    0. Row terms (parallel over (head, block of kLanes query rows)): D and the saved lse per
+       query row; padded rows and rows that saw no key get lse = +inf (so P = 0) and D = 0.
+       Rows with a large lse also get a normalisation factor for P (see RowTerms).
     Then one of two schemes, chosen from the shapes alone:
     Two passes (general):
     1. Key pass (parallel over (kv head, block of kLanes keys)): K^T and V^T of the block are
@@ -43,6 +44,10 @@
 namespace jax_flash::cpu {
 namespace {
 
+//! Rows whose saved lse has at least this magnitude have P renormalised (see RowTerms): from
+//! there on, half an ulp of lse, by which its rounding alone may shift exp(S - lse), is 64 units
+//! of roundoff or more.
+constexpr double kRenormalizeFrom = 64;
 //! Query rows per tile in the key pass.
 constexpr int64_t kRowBlock = 64;
 //! Keys per tile in the query pass.
@@ -79,6 +84,7 @@ class Backward {
     const int64_t rows_total = pr_.nb * pr_.N * pr_.T;
     delta_.assign(static_cast<size_t>(rows_total), A(0));
     lse_.assign(static_cast<size_t>(rows_total), A(0));
+    norm_.assign(static_cast<size_t>(rows_total), A(1));
     if (mode_ == DbiasMode::kRows) row_sums_.assign(static_cast<size_t>(rows_total), A(0));
     BuildGroups();
     // The fused pass does 5 instead of 7 matrix products but parallelises over (batch item,
@@ -90,7 +96,7 @@ class Backward {
     fused_ = groups == pr_.nb * pr_.K && groups >= kFusedMinTasks &&
              pr_.G * pr_.T * padded_h_ * static_cast<int64_t>(sizeof(A)) <= kFusedMaxScratch;
 
-    Status status = ParallelFor(runner, pr_.nb * pr_.N,
+    Status status = ParallelFor(runner, pr_.nb * pr_.N * nqb_,
                                 [this](int64_t item, Workspace& ws) { RowTerms(item, ws); });
     if (!status.ok()) return status;
     if (fused_) {
@@ -148,29 +154,80 @@ class Backward {
 
   // ---- 0. row terms ------------------------------------------------------------------------
 
-  void RowTerms(int64_t bn, Workspace& ws) {
+  //! D, lse and the normalisation factor of P for the query rows [i0, i0 + kLanes) of one
+  //! head. P = exp(S - lse) is only as accurate as the saved lse, which is rounded to the
+  //! accumulation type: that alone gives each row's P a common relative error of up to half an
+  //! ulp of lse (about u |lse|), which a softmax normalised by its row maximum (xla's) does not
+  //! have, and where lse cannot hold log(l) at all (logits of 1e30) tied maxima each get P = 1.
+  //! Rows with |lse| >= kRenormalizeFrom therefore get norm = 1 / sum_j exp(S_ij - lse_i) from
+  //! the same logits, and every pass uses P = norm * exp(S - lse), which sums to 1 again; the
+  //! other rows keep norm = 1 and cost nothing more.
+  void RowTerms(int64_t item, Workspace& ws) {
+    const int64_t bn = item / nqb_, i0 = item % nqb_ * L;
     const int64_t b = bn / pr_.N, n = bn % pr_.N, H = pr_.H;
+    const int64_t rows = std::min<int64_t>(L, pr_.T - i0);
     const int64_t q_len = SeqLen(p_.q_seqlens, pr_.batch, b, pr_.T);
     A* o_row = ws.Get<A>(0, H);
     A* do_row = ws.Get<A>(1, H);
     const A inf = std::numeric_limits<A>::infinity();
-    for (int64_t i = 0; i < pr_.T; ++i) {
-      const int64_t r = RowIndex(b, n, i);
-      const A lse =
-          i < q_len ? LoadAs<A>(p_.lse.data, p_.lse.dtype, pr_.HeadRowOffset(p_.lse, b, n, i))
-                    : kNegInf<A>;
+    bool renormalize[L] = {};
+    bool any = false;
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t r = RowIndex(b, n, i0 + i);
+      const A lse = i0 + i < q_len ? LoadAs<A>(p_.lse.data, p_.lse.dtype,
+                                               pr_.HeadRowOffset(p_.lse, b, n, i0 + i))
+                                   : kNegInf<A>;
       if (!(lse > kNegInf<A>)) {  // no visible key (or NaN): contributes nothing
         lse_[r] = inf;
         delta_[r] = A(0);
         continue;
       }
-      ConvertRow<A>(p_.out.data, pr_.dtype, pr_.RowOffset(p_.out, b, i, n), H, A(1), o_row);
-      ConvertRow<A>(bp_.dout.data, pr_.dtype, pr_.RowOffset(bp_.dout, b, i, n), H, A(1), do_row);
+      ConvertRow<A>(p_.out.data, pr_.dtype, pr_.RowOffset(p_.out, b, i0 + i, n), H, A(1), o_row);
+      ConvertRow<A>(bp_.dout.data, pr_.dtype, pr_.RowOffset(bp_.dout, b, i0 + i, n), H, A(1),
+                    do_row);
       A dot = A(0);
       for (int64_t d = 0; d < H; ++d) dot += o_row[d] * do_row[d];
       lse_[r] = lse;
       delta_[r] = dot - LoadAs<A>(bp_.dlse.data, bp_.dlse.dtype,
-                                  pr_.HeadRowOffset(bp_.dlse, b, n, i));
+                                  pr_.HeadRowOffset(bp_.dlse, b, n, i0 + i));
+      renormalize[i] = std::abs(lse) >= A(kRenormalizeFrom);
+      any = any || renormalize[i];
+    }
+    if (any) Renormalize(b, n, i0, std::min<int64_t>(rows, q_len - i0), renormalize, ws);
+  }
+
+  //! norm_ = 1 / sum_j exp(S_ij - lse_i) over the visible keys for the flagged rows among the
+  //! live rows [i0, i0 + ni), with the logits computed as in the query pass.
+  void Renormalize(int64_t b, int64_t n, int64_t i0, int64_t ni, const bool* flagged,
+                   Workspace& ws) {
+    const int64_t H = pr_.H;
+    const int64_t kv_len = SeqLen(p_.kv_seqlens, pr_.batch, b, pr_.S);
+    int64_t jlo = 0, jhi = 0;
+    KeyRange(pr_.options, i0, i0 + ni, kv_len, &jlo, &jhi);
+    A* qt = ws.Get<A>(2, H * L);
+    A* st = ws.Get<A>(3, kKeyBlock * L);
+    A* k_rows = ws.Get<A>(4, kKeyBlock * H);
+    A* row_buffer = ws.Get<A>(5, H);
+    alignas(kTileAlign) A lanes[L];
+    for (int64_t i = 0; i < L; ++i) {
+      lanes[i] = i < ni ? lse_[RowIndex(b, n, i0 + i)] : std::numeric_limits<A>::infinity();
+    }
+    PackTransposed<A>(pr_, p_.q, b, i0, ni, n, static_cast<A>(pr_.options.scale), row_buffer, qt);
+    V sum[4] = {};
+    const int64_t kvh = n / pr_.G;
+    for (int64_t j0 = jlo; j0 < jhi; j0 += kKeyBlock) {
+      const int64_t nk = std::min<int64_t>(kKeyBlock, jhi - j0);
+      CopyRows<A>(pr_, p_.k, b, j0, nk, kvh, A(1), k_rows);
+      LogitsQueryLanes<A>(pr_, b, n, i0, ni, j0, nk, k_rows, H, qt, st);
+      for (int64_t j = 0; j < nk; ++j) {
+        for (int v = 0; v < 4; ++v) {
+          sum[v] += Exp(Load<V>(st + j * L + v * W) - Load<V>(lanes + v * W));
+        }
+      }
+    }
+    for (int v = 0; v < 4; ++v) Store(lanes + v * W, sum[v]);
+    for (int64_t i = 0; i < ni; ++i) {
+      if (flagged[i]) norm_[RowIndex(b, n, i0 + i)] = A(1) / lanes[i];
     }
   }
 
@@ -287,13 +344,15 @@ class Backward {
       Gemm<A>(t.dp, L, ni, t.do_rows, H, 1, t.vt, L, H, false);
       const A* lse = lse_.data() + RowIndex(b, n, i0);
       const A* delta = delta_.data() + RowIndex(b, n, i0);
+      const A* norm = norm_.data() + RowIndex(b, n, i0);
       for (int64_t i = 0; i < ni; ++i) {
         const V row_lse = Splat<V>(lse[i]);
         const V row_delta = Splat<V>(delta[i]);
+        const V row_norm = Splat<V>(norm[i]);
         A* srow = t.s + i * L;
         A* dprow = t.dp + i * L;
         for (int v = 0; v < 4; ++v) {
-          const V pv = Exp(Load<V>(srow + v * W) - row_lse);
+          const V pv = Exp(Load<V>(srow + v * W) - row_lse) * row_norm;
           Store(srow + v * W, pv);
           Store(dprow + v * W, pv * (Load<V>(dprow + v * W) - row_delta));
         }
@@ -440,12 +499,13 @@ class Backward {
       A* k_rows = ws.Get<A>(5, kKeyBlock * H);
       A* v_rows = ws.Get<A>(6, kKeyBlock * H);
       A* row_buffer = ws.Get<A>(7, H);
-      A* lanes = ws.Get<A>(8, 2 * L);  // lse, then D, per lane
+      A* lanes = ws.Get<A>(8, 3 * L);  // lse, D and norm, per lane
       PackTransposed<A>(pr_, p_.q, b, i0, ni, n, static_cast<A>(pr_.options.scale), row_buffer, qt);
       PackTransposed<A>(pr_, bp_.dout, b, i0, ni, n, A(1), row_buffer, dot);
       for (int64_t i = 0; i < L; ++i) {
         lanes[i] = i < ni ? lse_[RowIndex(b, n, i0 + i)] : std::numeric_limits<A>::infinity();
         lanes[L + i] = i < ni ? delta_[RowIndex(b, n, i0 + i)] : A(0);
+        lanes[2 * L + i] = i < ni ? norm_[RowIndex(b, n, i0 + i)] : A(0);
       }
       const int64_t kvh = n / pr_.G;
       for (int64_t j0 = jlo; j0 < jhi; j0 += kKeyBlock) {
@@ -459,7 +519,8 @@ class Backward {
           A* srow = st + j * L;
           A* dprow = dpt + j * L;
           for (int v = 0; v < 4; ++v) {
-            const V pv = Exp(Load<V>(srow + v * W) - Load<V>(lanes + v * W));
+            const V pv = Exp(Load<V>(srow + v * W) - Load<V>(lanes + v * W)) *
+                         Load<V>(lanes + 2 * L + v * W);
             const V ds = pv * (Load<V>(dprow + v * W) - Load<V>(lanes + L + v * W));
             Store(dprow + v * W, ds);
             row_sum[v] += ds;
@@ -521,7 +582,7 @@ class Backward {
   int64_t padded_h_ = 0;  //!< H rounded up to kLanes (fused pass dQ rows)
   bool heads_reduced_ = false;
   int64_t rows_dbias_ = 0;
-  std::vector<A> delta_, lse_, row_sums_;
+  std::vector<A> delta_, lse_, norm_, row_sums_;
   std::vector<int64_t> group_begin_, member_b_, member_kvh_;
 };
 

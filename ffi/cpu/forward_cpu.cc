@@ -10,6 +10,10 @@
     and finally out = O^T / l (transposed back), lse = m + log l. With the queries on the
     lanes the softmax statistics are plain vector operations, and the K and V blocks are used
     in their natural row-major layout (copied to contiguous float rows, never transposed).
+    Both l and O^T take one partial sum per key block (V_blk^T P^T goes to a fresh tile first):
+    one running sum over thousands of keys would accumulate rounding errors over all of them,
+    while per block they pile up over kKeyBlock terms plus S / kKeyBlock partial sums only,
+    which keeps long rows as accurate as xla's (the extra add replaces the rescaling pass).
     Items of one head are consecutive, so the threads working on a head share its K and V in
     cache. Extra memory per thread: a few kLanes x max(H, kKeyBlock) tiles.
 */
@@ -76,6 +80,8 @@ class Forward {
     A* row_buffer = ws.Get<A>(5, H);
     A* k_buffer = ws.Get<A>(6, kKeyBlock * H);
     A* v_buffer = ws.Get<A>(7, kKeyBlock * H);
+    A* pv = ws.Get<A>(8, H * L);
+    A* alpha = ws.Get<A>(9, L);
 
     PackTransposed<A>(pr_, p_.q, b, i0, ni, n, static_cast<A>(pr_.options.scale), row_buffer, qt);
     for (int64_t t = 0; t < L; ++t) {
@@ -89,16 +95,26 @@ class Forward {
       const int64_t nk = std::min<int64_t>(kKeyBlock, jhi - j0);
       CopyRows<A>(pr_, p_.k, b, j0, nk, kvh, A(1), k_buffer);
       LogitsQueryLanes<A>(pr_, b, n, i0, ni, j0, nk, k_buffer, H, qt, st);
-      SoftmaxStep(st, nk, m, l, ot);
+      SoftmaxStep(st, nk, m, l, alpha);
       CopyRows<A>(pr_, p_.v, b, j0, nk, kvh, A(1), v_buffer);
-      // O^T[d][i] += sum_j V[j][d] P^T[j][i]
-      Gemm<A>(ot, L, H, v_buffer, 1, H, st, L, nk, true);
+      // PV^T[d][i] = sum_j V[j][d] P^T[j][i], then O^T = alpha O^T + PV^T
+      Gemm<A>(pv, L, H, v_buffer, 1, H, st, L, nk, false);
+      V a[4];
+      for (int v = 0; v < 4; ++v) a[v] = Load<V>(alpha + v * W);
+      for (int64_t d = 0; d < H; ++d) {
+        A* row = ot + d * L;
+        const A* add = pv + d * L;
+        for (int v = 0; v < 4; ++v) {
+          Store(row + v * W, Load<V>(row + v * W) * a[v] + Load<V>(add + v * W));
+        }
+      }
     }
     Finish(b, n, i0, rows, ni, m, l, ot);
   }
 
-  //! Online softmax over one S^T tile (in place: becomes P^T); rescales O^T and l.
-  void SoftmaxStep(A* st, int64_t nk, A* m, A* l, A* ot) const {
+  //! Online softmax over one S^T tile (in place: becomes P^T); rescales l and returns the
+  //! factor for O^T in `alpha_out`.
+  void SoftmaxStep(A* st, int64_t nk, A* m, A* l, A* alpha_out) const {
     const V neg_inf = Splat<V>(kNegInf<A>);
     V mx[4] = {neg_inf, neg_inf, neg_inf, neg_inf};
     for (int64_t j = 0; j < nk; ++j) {
@@ -122,10 +138,9 @@ class Forward {
         sum[v] += e;
       }
     }
-    for (int v = 0; v < 4; ++v) Store(l + v * W, Load<V>(l + v * W) * alpha[v] + sum[v]);
-    for (int64_t d = 0; d < pr_.H; ++d) {
-      A* row = ot + d * L;
-      for (int v = 0; v < 4; ++v) Store(row + v * W, Load<V>(row + v * W) * alpha[v]);
+    for (int v = 0; v < 4; ++v) {
+      Store(l + v * W, Load<V>(l + v * W) * alpha[v] + sum[v]);
+      Store(alpha_out + v * W, alpha[v]);
     }
   }
 
