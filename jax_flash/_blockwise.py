@@ -19,7 +19,8 @@ Structure. Nothing of size T x S per head is ever formed. The key axis is cut in
 `block_k` keys and a `lax.scan` walks them:
   * forward: the carry is the online-softmax state (running max m, running sum l, unnormalised
     output acc), all (B, K, G*T[, H]) in the accumulation dtype;
-  * backward: P is recomputed per block from the saved lse; the carry accumulates dq (and dbias
+  * backward: P is recomputed per block from the saved lse (renormalised where the lse is
+    large, see `backward`); the carry accumulates dq (and dbias
     when the bias broadcasts over keys); dk and dv of the block are scan outputs; a bias that
     varies over keys gets its gradient written block by block into a carried (B|1, N|1, T|1, S)
     buffer with dynamic_update_slice (in place under XLA, no stacked copy).
@@ -49,6 +50,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+# Rows whose saved lse has at least this magnitude get P renormalised in the backward: from there
+# on, the rounding of lse alone (half an ulp) shifts every exp(S - lse) of the row by 64 units of
+# roundoff or more (the CPU kernels use the same rule).
+RENORMALIZE_FROM = 64.0
 BLOCK_K_MAX = 512
 BLOCK_K_MIN = 16
 BLOCK_K_MULTIPLE = 16
@@ -258,8 +263,22 @@ def forward(config, q, k, v, bias, mask, q_len, kv_len, *, block_k=None):
   return _unrows(out, plan).astype(q.dtype), lse.reshape(B, N, T)
 
 
-def backward(config, q, k, v, bias, mask, q_len, kv_len, out, lse, dout, dlse, *, block_k=None):
-  """(dq, dk, dv, dbias or None) in the dtypes of q, k, v, bias: see the module docstring."""
+def needs_renormalization(lse):
+  """Whether any live row of `lse` reaches RENORMALIZE_FROM in magnitude (a traced bool)."""
+  return jnp.any(jnp.isfinite(lse) & (jnp.abs(lse) >= RENORMALIZE_FROM))
+
+
+def backward(config, q, k, v, bias, mask, q_len, kv_len, out, lse, dout, dlse, *, block_k=None,
+             renormalize=True):
+  """(dq, dk, dv, dbias or None) in the dtypes of q, k, v, bias: see the module docstring.
+
+  P = exp(S - lse) is only as accurate as the saved lse, which is rounded to the accumulation
+  dtype: that gives each row's P a common relative error of up to half an ulp of lse, and where
+  lse cannot hold log(sum) at all (logits of 1e30) tied maxima would each get P = 1. With
+  `renormalize` (static), rows with |lse| >= RENORMALIZE_FROM use P = norm * exp(S - lse), norm
+  = 1 / sum_j exp(S_ij - lse_i) over the visible keys, found in an extra pass over the keys;
+  callers that know no row needs it (`needs_renormalization`) pass False and skip that pass.
+  """
   B, T, N, H = q.shape
   S = k.shape[1]
   if B == 0 or T == 0 or N == 0 or S == 0:
@@ -284,6 +303,7 @@ def backward(config, q, k, v, bias, mask, q_len, kv_len, out, lse, dout, dlse, *
   if q_len is not None:
     row_live = row_live & _row_live(q_len, plan)
   lse = jnp.where(row_live, lse, zero)
+  norm = _row_norm(plan, qt, kt, lse, row_live) if renormalize else None
 
   if bias is not None:
     bias5 = plan.five_shape(bias.shape)
@@ -304,7 +324,10 @@ def backward(config, q, k, v, bias, mask, q_len, kv_len, out, lse, dout, dlse, *
     s = plan.logits(qt, kb, start)
     vis = plan.visible(j, start)
     vis = row_live[..., None] if vis is None else vis & row_live[..., None]
-    p = jnp.where(vis, jnp.exp(s - lse[..., None]), zero)
+    p = jnp.exp(s - lse[..., None])
+    if norm is not None:
+      p = p * norm[..., None]
+    p = jnp.where(vis, p, zero)
     dp = _dot("bkmh,bksh->bkms", dot, vb, acc).reshape(B, K, G, T, bk)
     ds = jnp.where(vis, p * (dp - d[..., None]), zero)
     p = p.reshape(B, K, M, bk)
@@ -335,3 +358,23 @@ def backward(config, q, k, v, bias, mask, q_len, kv_len, out, lse, dout, dlse, *
   if dbias is not None:
     dbias = dbias.reshape(bias.shape).astype(bias.dtype)
   return dq, dk, dv, dbias
+
+
+def _row_norm(plan, qt, kt, lse, row_live):
+  """1 / sum_j exp(S_ij - lse_i) over the visible keys for live rows with |lse| >=
+  RENORMALIZE_FROM, 1 elsewhere; (B, K, G, T) in the accumulation dtype."""
+  zero = jnp.zeros((), plan.acc)
+
+  def step(total, j):
+    start = plan.start(j)
+    kb = lax.dynamic_slice_in_dim(kt, start, plan.bk, axis=2)
+    s = plan.logits(qt, kb, start)
+    vis = plan.visible(j, start)
+    vis = row_live[..., None] if vis is None else vis & row_live[..., None]
+    return total + jnp.sum(jnp.where(vis, jnp.exp(s - lse[..., None]), zero), axis=-1), None
+
+  total, _ = lax.scan(step, jnp.zeros(lse.shape, plan.acc),
+                      jnp.arange(plan.num_blocks, dtype=jnp.int32))
+  flagged = row_live & (jnp.abs(lse) >= RENORMALIZE_FROM) & (total > 0)
+  return jnp.where(flagged, 1 / jnp.where(flagged, total, jnp.ones((), plan.acc)),
+                   jnp.ones((), plan.acc))

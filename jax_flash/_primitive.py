@@ -135,10 +135,18 @@ def _blockwise_forward(config, q, k, v, bias, mask, q_len, kv_len):
 def _blockwise_backward(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len):
   operands = (q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len)
 
-  def canonical(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len):
-    return _blockwise.backward(config, q, k, v, bias, mask, q_len, kv_len, out, lse, dout, dlse)
+  def run(renormalize, operands):
+    def canonical(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len):
+      return _blockwise.backward(config, q, k, v, bias, mask, q_len, kv_len, out, lse, dout,
+                                 dlse, renormalize=renormalize)
 
-  return tuple(_over_batch_axes(canonical, operands, _batch_shape(*operands)))
+    return tuple(_over_batch_axes(canonical, operands, _batch_shape(*operands)))
+
+  # Decided once for the whole call, outside the vmaps over batch axes (where a cond would turn
+  # into a select running both branches): the renormalisation pass runs only when some row
+  # needs it.
+  return lax.cond(_blockwise.needs_renormalization(lse), functools.partial(run, True),
+                  functools.partial(run, False), operands)
 
 
 # --- platform routing --------------------------------------------------------------------------

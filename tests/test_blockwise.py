@@ -61,6 +61,7 @@ class Case:
   block_k: int | None = None
   neg_inf_bias: bool = False  # some bias entries and whole bias rows are -inf
   big: bool = False  # |logits| ~ 1e3..1e4 and bias entries of -1e30
+  tied_big: bool = False  # bias of +1e30 on one, two or three keys of most rows (ties)
 
 
 CASES = {
@@ -82,6 +83,7 @@ CASES = {
 DTYPE_CASE = Case(2, 65, 127, 4, 2, 16, (-1, 0), bias="x1xx", mask="1x1x", kv_len=(127, 50),
                   block_k=16)
 BIG_CASE = Case(1, 65, 127, 2, 1, 8, bias="x1xx", block_k=32, big=True)
+TIED_BIG_CASE = Case(2, 33, 70, 4, 2, 8, (-1, 0), bias="xxxx", block_k=16, tied_big=True)
 
 
 def _x64_if(dtype):
@@ -110,6 +112,13 @@ def _inputs(case: Case, dtype, seed=0):
       bias[..., ::5, :] = -np.inf  # whole rows
     if case.big:
       bias[rng.random(bias.shape) < 0.2] = -1e30
+    if case.tied_big:
+      # lse = 1e30 + log(ties) rounds to 1e30 in every dtype: exp(S - lse) alone would give each
+      # tied key P = 1. Row i (causal) picks from keys 0..i.
+      for index in np.ndindex(bias.shape[:3]):
+        i = index[2]
+        ties = rng.integers(0, 4)
+        bias[index][rng.choice(i + 1, size=min(ties, i + 1), replace=False)] = 1e30
   if case.mask is not None:
     mask = rng.random(_extents(case.mask, full)) < 0.7
   as_len = lambda x: None if x is None else np.asarray(x, np.int32)
@@ -292,6 +301,27 @@ def test_large_logits_stay_finite_and_accurate():
   # Logits ~ 1e4 carry an absolute float32 rounding of ~1e-3 (their own ulp, and lse's in
   # P = exp(s - lse)), which the output and gradients inherit (seen: 5e-5).
   _check(BIG_CASE, np.float32, compare_jax=False, tol=dict(out=2e-4, lse=1e-6, grad=5e-4))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+def test_tied_extreme_bias(dtype):
+  # Rows whose maximum logit (1e30) is tied between keys: P splits evenly between them.
+  _check(TIED_BIG_CASE, BF16 if dtype == "bfloat16" else np.dtype(dtype), compare_jax=False)
+
+
+def test_renormalization_is_skipped_exactly_when_unneeded():
+  case = DTYPE_CASE
+  config = _config(case)
+  ops, dout, dlse = _inputs(case, np.float32)
+  out, lse = _blockwise.forward(config, *ops.values(), block_k=case.block_k)
+  assert not bool(_blockwise.needs_renormalization(lse))
+  assert bool(_blockwise.needs_renormalization(lse.at[0, 0, 0].set(-_blockwise.RENORMALIZE_FROM)))
+  assert not bool(_blockwise.needs_renormalization(lse.at[0, 0, 0].set(-np.inf)))
+  args = (config, *ops.values(), out, lse, dout, dlse.astype(np.float32))
+  with_pass = jax.device_get(_blockwise.backward(*args, block_k=case.block_k, renormalize=True))
+  without = jax.device_get(_blockwise.backward(*args, block_k=case.block_k, renormalize=False))
+  for a, b in zip(jax.tree.leaves(with_pass), jax.tree.leaves(without)):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_deterministic():
