@@ -1,15 +1,20 @@
 """Runs the Hopper forward kernel on small problems of every compiled tile, for
-compute-sanitizer (tests/test_gpu_sanitizer.py starts this script under it).
+compute-sanitizer (tests/test_gpu_sanitizer.py starts this script under it, one process per
+case so that the cases run in parallel and a slow one is named).
+
+    python tests/_sanitizer_driver.py [CASE_INDEX ...]   (default: every case)
 
 Cases, for each compiled tile: causal and not, a local window, ragged query and key/value
-lengths (zero and past the end included), grouped-query heads, sizes that are not multiples of
-any tile, and every compiled dtype once. Every output is checked to be finite, so a kernel that
+lengths (zero and past the end included), mostly empty batch items over a grid where every
+CTA walks several tiles, grouped-query heads, sizes that are not multiples of any tile, and
+every compiled dtype once. Every output is checked to be finite, so a kernel that
 reads garbage fails here too.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +28,13 @@ def cases():
   dtypes = _config.GPU_DTYPES
   for i, tile in enumerate(_config.SM90_FORWARD_TILES):
     H = tile.head_dim
-    yield dict(H=H, dtype=dtypes[i % len(dtypes)], is_causal=False, window=None, lengths=False)
+    yield dict(H=H, dtype=dtypes[i % len(dtypes)], is_causal=False, window=None, lengths=None)
     yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=True, window=None,
-               lengths=True)
-    yield dict(H=H, dtype=dtypes[0], is_causal=False, window=(37, 5), lengths=True)
+               lengths="ragged")
+    yield dict(H=H, dtype=dtypes[0], is_causal=False, window=(37, 5), lengths="ragged")
+    # Enough tiles that every CTA of the persistent grid walks several, most of them empty.
+    yield dict(H=H, dtype=dtypes[1 % len(dtypes)], is_causal=False, window=None,
+               lengths="mostly_empty", B=24, N=16, K=4)
 
 
 def run(H, dtype, is_causal, window, lengths, B=3, T=227, S=301, N=4, K=2):
@@ -35,9 +43,13 @@ def run(H, dtype, is_causal, window, lengths, B=3, T=227, S=301, N=4, K=2):
   k = jax.random.normal(kk, (B, S, K, H), dtype)
   v = jax.random.normal(kv, (B, S, K, H), dtype)
   kwargs = dict(is_causal=is_causal, local_window_size=window)
-  if lengths:
+  if lengths == "ragged":  # a full item, one without queries, one without keys
     kwargs.update(query_seq_lengths=jnp.array([T, 0, 100], jnp.int32),
                   key_value_seq_lengths=jnp.array([S + 5, 130, 0], jnp.int32))
+  elif lengths == "mostly_empty":  # one item in six has queries that see keys
+    b = np.arange(B)
+    kwargs.update(query_seq_lengths=jnp.asarray(np.where(b % 2 == 1, 0, T), jnp.int32),
+                  key_value_seq_lengths=jnp.asarray(np.where(b % 6 == 0, S, 0), jnp.int32))
   out, lse = jax.jit(lambda q, k, v: jax_flash.dot_product_attention(
       q, k, v, return_residual=True, **kwargs))(q, k, v)
   out = np.asarray(out.astype(jnp.float32))
@@ -47,16 +59,19 @@ def run(H, dtype, is_causal, window, lengths, B=3, T=227, S=301, N=4, K=2):
   return out
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
   if not jax_flash.gpu_available():
     print("no GPU or no CUDA handlers", file=sys.stderr)
     return 2
+  all_cases = list(cases())
+  selected = [int(i) for i in argv] or range(len(all_cases))
   with jax.default_device(jax.devices("gpu")[0]):
-    for case in cases():
-      run(**case)
-      print("ok", case, flush=True)
+    for index in selected:
+      start = time.perf_counter()
+      run(**all_cases[index])
+      print(f"ok {index} {all_cases[index]} {time.perf_counter() - start:.1f} s", flush=True)
   return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(main(sys.argv[1:]))

@@ -72,6 +72,11 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       q_empty_phase ^= 1;
       if (!info.empty()) {
         Mainloop::load(params.mainloop, storage, pipeline_k, pipeline_v, write_state, info);
+      } else {
+        // Nothing to load, but the Q handshake still takes its turn: consumers that freed Q
+        // for several empty tiles in a row would otherwise complete q_empty phases the
+        // producer has not waited for yet, and its parity wait would then never return.
+        storage.barriers.q_full.arrive();
       }
     }
     pipeline_k.producer_tail(write_state);
@@ -95,10 +100,11 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       if (!info.empty()) {
         Mainloop::mma(params.mainloop, params.problem, storage, pipeline_k, pipeline_v, read_state,
                       q_full_phase, info, thread_idx, tOrO, softmax, release_q);
-        q_full_phase ^= 1;
       } else {
+        storage.barriers.q_full.wait(q_full_phase);  // the producer's turn for this tile
         release_q();
       }
+      q_full_phase ^= 1;
       Epilogue::store(params.epilogue, params.problem, storage, info, thread_idx, tOrO, softmax);
       if constexpr (Traits::kOutputAliasesQuery) {
         if (thread_idx == 0) storage.barriers.q_empty.arrive();
