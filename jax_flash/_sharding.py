@@ -15,7 +15,9 @@ What may be sharded
     reads key/value head ``n // (N // K)``, so a shard of query heads needs exactly the
     key/value heads of its groups. With ``m`` head shards:
       - ``m`` divides ``K``: key/value heads are sharded like the query heads (each shard holds
-        whole groups), nothing is communicated;
+        whole groups), nothing is communicated. Key/value that arrive replicated are sliced
+        locally; their gradients, computed per shard, are then gathered back to that
+        replicated layout (an all-gather of dk/dv in the backward);
       - ``m`` is a multiple of ``K`` (e.g. MQA, or more shards than groups): each shard's query
         heads fall inside one group; key/value are replicated over the head mesh axes and each
         shard slices its one key/value head. The forward communicates nothing; the backward
@@ -42,8 +44,8 @@ Gradients
   ``N == 1`` under head sharding) is a sum over the shards: the backward reduces it with a
   ``psum`` over those mesh axes (an all-reduce of the bias-sized gradient, which single-device
   code performs as a local sum). Batch/head sharding therefore needs no collective in the
-  forward, and in the backward only these reductions (plus the key/value one of the
-  replicated-key/value head layout above).
+  forward, and in the backward only these reductions (plus, for key/value replicated
+  over the head mesh axes, the dk/dv all-reduce or all-gather described above).
 
 Transformations
   The partitioned calls sit inside the ``custom_vjp`` and inside a ``custom_vmap`` (see

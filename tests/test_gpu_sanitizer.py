@@ -10,6 +10,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -46,6 +47,7 @@ def _run_case(sanitizer: str, tool: str, index: int) -> tuple[int, str | None]:
   command = [sanitizer, "--tool", tool, "--error-exitcode", "99",
              # Only jax_flash's kernels: XLA's and cuDNN's own kernels are not under test.
              "--kernel-name", "kns=forward_kernel", sys.executable, str(DRIVER), str(index)]
+  start = time.monotonic()
   try:
     proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=CASE_TIMEOUT_S)
@@ -55,7 +57,8 @@ def _run_case(sanitizer: str, tool: str, index: int) -> tuple[int, str | None]:
   output = proc.stdout
   ok = (proc.returncode == 0 and CLEAN_SUMMARY[tool] in output
         and output.count(f"ok {index} ") == 1)
-  return index, None if ok else f"exit status {proc.returncode}:\n{output[-6000:]}"
+  elapsed = time.monotonic() - start
+  return index, None if ok else f"exit status {proc.returncode} after {elapsed:.0f} s:\n{output[-6000:]}"
 
 
 @pytest.mark.gpu
@@ -66,8 +69,11 @@ def test_forward_kernel_is_clean_under_compute_sanitizer(tool):
   if sanitizer is None:
     pytest.skip("compute-sanitizer not found")
   cases = list(_sanitizer_driver.cases())
-  # One process per case, all at once: the cases are independent and each is mostly host time.
-  with concurrent.futures.ThreadPoolExecutor(max_workers=len(cases)) as pool:
+  # One process per case, in parallel: the cases are independent and each is mostly host time
+  # (compiling, and the sanitizer patching every module loaded). .ci/gpu runs the three tools
+  # at once, so each takes a third of the cores; more processes than cores only slow them all.
+  workers = max(1, min(len(cases), (os.cpu_count() or 3) // 3))
+  with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
     results = list(pool.map(lambda i: _run_case(sanitizer, tool, i), range(len(cases))))
   failures = [f"case {i} {cases[i]}: {report}" for i, report in results if report is not None]
   assert not failures, f"{tool}:\n" + "\n\n".join(failures)

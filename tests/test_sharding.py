@@ -107,7 +107,7 @@ else:
     lengths: bool = False
     is_causal: bool = True
     explicit: bool = False
-    all_reduce: tuple = ()  # what may be all-reduced in the backward: "dbias", "dkv"
+    all_reduce: tuple = ()  # ("dbias",): the bias gradient is all-reduced in the backward
 
   def _operand_shape(letters: str, s: Setup):
     full = dict(B=s.B, N=s.N, T=s.T, S=s.S)
@@ -178,11 +178,12 @@ else:
             for a, sh in zip(ARGS, shardings)]
 
   def _collective_shapes(hlo: str) -> dict[str, list[str]]:
-    """Result shapes of each collective in an HLO module (tuple results give several)."""
+    """Result shapes of each collective in an HLO module (tuple results give several). An
+    asynchronous collective is read at its `-done`: the `-start` tuple holds its operands too."""
     found = {}
     for line in hlo.splitlines():
       for name in COLLECTIVES:
-        m = re.search(rf"=\s*(.*?)\s+{name}(-start)?\(", line)
+        m = re.search(rf"=\s*(.*?)\s+{name}(-done)?\(", line)
         if m:
           found.setdefault(name, []).extend(re.findall(r"\w+\[[\d,]*\]", m.group(1)))
     return found
@@ -214,6 +215,21 @@ else:
       tol = 2.0 ** -6 * max(1.0, np.abs(want).max())
     np.testing.assert_allclose(ours, want, rtol=0, atol=tol, err_msg=name)
 
+  def _kv_gradient_collective(s: Setup, mesh) -> str | None:
+    """The collective that brings dk/dv to the layout of k/v when the query heads are sharded
+    and k/v are replicated over those mesh axes (see _sharding.py): with whole groups per shard
+    (shards divide K) each shard computes its own key/value heads' gradients, which are
+    gathered; with shards inside a group they hold partial sums of one head's, all-reduced."""
+    kv_spec = s.q_spec if s.kv_spec is None else s.kv_spec
+    head_axes = s.q_spec[2] if len(s.q_spec) > 2 else None
+    if head_axes is None or (len(kv_spec) > 2 and kv_spec[2] is not None):
+      return None
+    shards = int(np.prod([mesh.shape[a] for a in
+                          ((head_axes,) if isinstance(head_axes, str) else head_axes)]))
+    if shards == 1:
+      return None
+    return "all-gather" if s.K % shards == 0 else "all-reduce"
+
   def _check(s: Setup):
     mesh = _mesh(s)
     x = _inputs(s)
@@ -242,20 +258,23 @@ else:
     if PLATFORM == "cpu":
       assert any("jax_flash_bwd" in l for l in bwd_hlo.splitlines())
 
-    # Forward: no collective at all. Backward: only the all-reduces the layout requires.
+    # Forward: no collective at all. Backward: only the gradient collectives the layout requires.
     assert not _collective_shapes(fwd_hlo), _collective_shapes(fwd_hlo)
     found = _collective_shapes(bwd_hlo)
-    allowed = set()
+    allowed = {}
     if "dbias" in s.all_reduce:
       local = _local_shape(x["bias"].shape, s.bias_spec, mesh)
-      allowed.add(_hlo_shape(local, DTYPE if DTYPE == jnp.float64 else jnp.float32))
-    if "dkv" in s.all_reduce:
+      allowed["all-reduce"] = {_hlo_shape(local, DTYPE if DTYPE == jnp.float64 else jnp.float32)}
+    kv_collective = _kv_gradient_collective(s, mesh)
+    if kv_collective:
       local = _local_shape(x["k"].shape, (s.q_spec[0], None, None, None), mesh)
-      allowed.add(_hlo_shape(local, jnp.float32))
-    assert set(found) <= {"all-reduce"}, found
-    assert set(found.get("all-reduce", [])) <= allowed, (found, allowed)
-    if s.all_reduce and PLATFORM == "cpu":
-      assert found.get("all-reduce"), "expected the gradient reduction"
+      allowed.setdefault(kv_collective, set()).update(
+          _hlo_shape(local, dtype) for dtype in (jnp.float32, DTYPE))
+    assert set(found) <= set(allowed), (found, allowed)
+    for name, shapes in found.items():
+      assert set(shapes) <= allowed[name], (found, allowed)
+    if PLATFORM == "cpu":
+      assert set(found) == set(allowed), ("expected the gradient reductions", found, allowed)
     return got
 
   # 2 x 4 on the 8 CPU devices; on GPUs, the cases that fit the devices.
@@ -265,9 +284,10 @@ else:
       Setup("heads", (1, 4), (None, None, "y")),
       Setup("batch-heads", (2, 4), ("x", None, "y")),
       Setup("gqa-kv-heads-sharded", (2, 4), ("x", None, "y"), N=8, K=4),
-      Setup("gqa-kv-heads-replicated", (1, 4), (None, None, "y"), N=8, K=2,
-            kv_spec=(None,), all_reduce=("dkv",)),
-      Setup("mqa", (2, 4), ("x", None, "y"), N=8, K=1, kv_spec=("x",), all_reduce=("dkv",)),
+      Setup("gqa-kv-heads-replicated", (1, 4), (None, None, "y"), N=8, K=2, kv_spec=(None,)),
+      Setup("gqa-kv-heads-replicated-whole-groups", (1, 2), (None, None, "y"), N=8, K=2,
+            kv_spec=(None,)),
+      Setup("mqa", (2, 4), ("x", None, "y"), N=8, K=1, kv_spec=("x",)),
       Setup("bias-mask-lengths", (2, 4), ("x", None, "y"), bias="BNTS",
             bias_spec=("x", "y"), mask="BTS", mask_spec=("x",), lengths=True),
       Setup("bias-broadcast-batch", (2, 4), ("x", None, "y"), bias="NTS",

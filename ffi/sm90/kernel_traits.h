@@ -41,11 +41,13 @@ struct ForwardKernelTraits {
   static_assert(kBlockM % 64 == 0 && kNumConsumerWarpGroups >= 1 && kNumConsumerWarpGroups <= 3);
 
   // setmaxnreg budgets: consumers share what the launch allocation (all the block owns) leaves
-  // after the producer. The producer addresses the pipelines without spilling from 40 registers
-  // on (ptxas: 32 spills there). With three consumer warpgroups anything up to 56 leaves them
-  // the same 152 each, so the producer takes 56; with two, 40 leaves them 232.
+  // after the producer. With three consumer warpgroups the producer takes 32, which leaves each
+  // consumer 160: ptxas then spills a few producer registers around the loads, but with the 152
+  // that any larger producer budget leaves, ptxas spills in the head-dim-64 consumers, which
+  // then lose 18-31% of their speed (measured on H200). With two, 40 lets the producer run
+  // without spills and still leaves the consumers 232.
   static constexpr int kRegistersOwned = registers_at_launch(kNumThreads) * kNumThreads;
-  static constexpr int kProducerRegisters = kNumConsumerWarpGroups >= 3 ? 56 : 40;
+  static constexpr int kProducerRegisters = kNumConsumerWarpGroups >= 3 ? 32 : 40;
   static constexpr int kConsumerRegisters =
       cute::min(256, (kRegistersOwned - kProducerRegisters * kThreadsPerWarpGroup) /
                          kNumConsumerThreads / 8 * 8);

@@ -131,7 +131,7 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   const int64_t num_heads_total = s.num_heads * s.batch.count();
   const int64_t num_tiles = num_heads_total * num_m_blocks;
   if (num_tiles == 0) return Status::Ok();
-  if (num_tiles > INT32_MAX - context.sm_count) {
+  if (num_tiles > INT32_MAX - 2 * int64_t(context.sm_count)) {
     return Status::InvalidArgument("jax_flash: too many query blocks x heads x batch (" +
                                    std::to_string(num_tiles) + ") for the Hopper forward kernel");
   }
@@ -139,12 +139,21 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   sched.num_heads = int32_t(s.num_heads);
   sched.num_heads_total = int32_t(num_heads_total);
   sched.num_tiles = int32_t(num_tiles);
-  // Heads per section: as many as keep their K and V within half of L2 (the rest serves Q/O).
-  const int64_t kv_bytes_per_head = 2 * s.seqlen_k * s.head_dim * int64_t(sizeof(Element));
-  sched.heads_per_section = int32_t(std::clamp<int64_t>(
-      (int64_t(context.l2_bytes) / 2) / std::max<int64_t>(kv_bytes_per_head, 1), 1, num_heads_total));
   // A window (causal) makes later query blocks see more keys: schedule them first.
   sched.longest_first = p.options.window_left >= 0 || p.options.window_right >= 0;
+  // Heads per section: as many as keep their K and V within half of L2 (the rest serves Q/O).
+  const int64_t kv_bytes_per_head = 2 * s.seqlen_k * s.head_dim * int64_t(sizeof(Element));
+  int64_t heads_per_section =
+      (int64_t(context.l2_bytes) / 2) / std::max<int64_t>(kv_bytes_per_head, 1);
+  if (sched.longest_first) {
+    // Longest first balances the CTAs only over a section several rounds long: one shorter than
+    // a round deals the long blocks to the same CTAs round after round. Sections may therefore
+    // grow past L2 up to a quarter of the grid in heads: a round then still runs four or more
+    // CTAs per head side by side, on blocks of about the same length, reading the same keys
+    // together.
+    heads_per_section = std::max<int64_t>(heads_per_section, context.sm_count / 4);
+  }
+  sched.heads_per_section = int32_t(std::clamp<int64_t>(heads_per_section, 1, num_heads_total));
 
   const int grid = std::min(sched.num_tiles, context.sm_count);
   const int smem_bytes = Traits::kSharedStorageBytes;

@@ -1,8 +1,10 @@
 /*! \file tile_scheduler.h
-    \brief Persistent tile scheduler: each CTA walks a static, strided sequence of
-           (query block, head, batch) tiles. Tiles are grouped in sections of heads whose K/V fit
-           in L2 together, and within a section the query blocks go longest first when a window
-           (causal) makes later blocks cheaper, so the static assignment stays balanced.
+    \brief Persistent tile scheduler: each CTA walks a static sequence of (query block, head,
+           batch) tiles. Tiles are grouped in sections of heads (chosen by the host so that their
+           K/V share L2), and within a section the query blocks go longest first when a window
+           (causal) makes later blocks cheaper. Rounds of gridDim.x tiles are dealt in a snake
+           order (CTA i takes the i-th tile of even rounds and the i-th from the end of odd ones),
+           so a CTA that drew a longer tile in one round draws a shorter one in the next.
 */
 #pragma once
 
@@ -18,7 +20,7 @@ struct TileCoord {
   int32_t batch;  //!< flat index over the problem's batch shape
 };
 
-//! 32-bit throughout: the host checks that the tile count fits.
+//! 32-bit throughout: the host checks that the tile count plus two rounds fits.
 struct TileSchedulerParams {
   int32_t num_m_blocks = 0;
   int32_t num_heads = 0;
@@ -33,8 +35,13 @@ class StaticPersistentScheduler {
   CUTE_DEVICE explicit StaticPersistentScheduler(TileSchedulerParams const& params)
       : params_(params), tile_(blockIdx.x) {}
 
+  //! Rounds cover increasing ranges of tiles, so the first tile past the end ends the walk.
   CUTE_DEVICE bool valid() const { return tile_ < params_.num_tiles; }
-  CUTE_DEVICE void advance() { tile_ += gridDim.x; }
+  CUTE_DEVICE void advance() {
+    ++round_;
+    const int32_t lane = (round_ & 1) ? int32_t(gridDim.x - 1 - blockIdx.x) : int32_t(blockIdx.x);
+    tile_ = round_ * int32_t(gridDim.x) + lane;
+  }
 
   CUTE_DEVICE TileCoord coord() const {
     const int32_t section_tiles = params_.heads_per_section * params_.num_m_blocks;
@@ -54,6 +61,7 @@ class StaticPersistentScheduler {
  private:
   TileSchedulerParams params_;
   int32_t tile_;
+  int32_t round_ = 0;
 };
 
 }  // namespace jax_flash::sm90
