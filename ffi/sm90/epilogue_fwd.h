@@ -79,7 +79,7 @@ struct ForwardEpilogue {
                                         static_cast<uint32_t>(ForwardBarrier::kOutputFree));
     }
     auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
-    auto thr_copy = smem_copy.get_thread_slice(thread_idx);
+    auto thr_copy = smem_copy.get_thread_slice(opaque(thread_idx));
     copy(smem_copy, thr_copy.retile_S(tOrO_out), thr_copy.partition_D(sO));
     // Generic-proxy writes must be visible to the TMA (async proxy) before the store.
     cutlass::arch::fence_view_async_shared();

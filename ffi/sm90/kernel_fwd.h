@@ -99,7 +99,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       OnlineSoftmax<2> softmax(params.mainloop.scale_log2);
       if (!info.empty()) {
         Mainloop::mma(params.mainloop, params.problem, storage, pipeline_k, pipeline_v, read_state,
-                      q_full_phase, info, thread_idx, tOrO, softmax, release_q);
+                      q_full_phase, info, consumer_warp_group, thread_idx, tOrO, softmax,
+                      release_q);
       } else {
         storage.barriers.q_full.wait(q_full_phase);  // the producer's turn for this tile
         release_q();

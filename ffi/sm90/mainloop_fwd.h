@@ -100,6 +100,14 @@ struct ForwardMainloop {
     }
   }
 
+  //! The stage before `state`. V is read one key block behind K; deriving its stage instead of
+  //! carrying a second state keeps the consumers of head dim 64 within their 160 registers.
+  CUTE_DEVICE static PipelineState previous_stage(PipelineState const& state) {
+    const bool wraps = state.index() == 0;
+    return PipelineState(wraps ? Traits::kStages - 1 : state.index() - 1,
+                         wraps ? state.phase() ^ 1 : state.phase(), state.count() - 1);
+  }
+
   //! Warpgroup turn-taking for GEMM issue: wait for our turn, then pass it on.
   CUTE_DEVICE static void wait_turn(int warp_group) {
     if constexpr (kNumConsumerWarpGroups > 1) {
@@ -126,24 +134,27 @@ struct ForwardMainloop {
 
   //! Consumers: accumulates the unnormalised output of a non-empty tile into tOrO and the
   //! row statistics into softmax. `release_q` is called once the last read of Q is complete.
+  //! `warp_group` must be warp-uniform in a form the compiler can see (a shuffle): the Q, K and
+  //! V descriptors are sliced with it, so they live in uniform registers and not in the
+  //! consumers' register budget (16 Q descriptors at head dim 256 made ptxas spill).
   template <class TensorO, class ReleaseQ>
   CUTE_DEVICE static void mma(Params const& params, ForwardProblem const& problem,
                               SharedStorage& storage, PipelineKV& pipeline_k,
                               PipelineKV& pipeline_v, PipelineState& read_state, uint32_t q_phase,
-                              Info const& info, int thread_idx, TensorO& tOrO,
-                              OnlineSoftmax<2>& softmax, ReleaseQ&& release_q) {
-    const int warp_group = thread_idx / kThreadsPerWarpGroup;
+                              Info const& info, int warp_group, int thread_idx,
+                              TensorO& tOrO, OnlineSoftmax<2>& softmax, ReleaseQ&& release_q) {
     Tensor sQ = make_tensor(make_smem_ptr(storage.tensors.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.tensors.k.data()), typename Traits::SmemLayoutKV{});
     Tensor sVt = make_tensor(make_smem_ptr(storage.tensors.v.data()), typename Traits::SmemLayoutVt{});
 
     typename Traits::TiledMmaQK mma_qk;
     typename Traits::TiledMmaPV mma_pv;
-    auto thr_qk = mma_qk.get_thread_slice(thread_idx);
-    auto thr_pv = mma_pv.get_thread_slice(thread_idx);
-    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)
-    Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
-    Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+    // Shared-memory operands depend only on the warpgroup (one descriptor for its 128 threads).
+    auto warp_group_qk = mma_qk.get_thread_slice(warp_group * kThreadsPerWarpGroup);
+    auto warp_group_pv = mma_pv.get_thread_slice(warp_group * kThreadsPerWarpGroup);
+    Tensor tSrQ = warp_group_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)
+    Tensor tSrK = warp_group_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
+    Tensor tOrV = warp_group_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
     Tensor tSrS = partition_fragment_C(mma_qk, select<0, 1>(TileShapeQK{}));
     Tensor tOrP = make_tensor<Element>(accumulator_as_a_operand(tSrS.layout()));
     Tensor s = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
@@ -176,7 +187,6 @@ struct ForwardMainloop {
     mask_block(n_block);
     softmax.template step</*kFirst=*/true>(s);
     convert_into(tSrS, tOrP);
-    PipelineState v_state = read_state;
     ++read_state;
 
     // Steady state: S_j and P_{j+1} V_{j+1} in flight together.
@@ -184,6 +194,7 @@ struct ForwardMainloop {
       pipeline_k.consumer_wait(read_state);
       wait_turn(warp_group);
       issue_qk(read_state);
+      const PipelineState v_state = previous_stage(read_state);
       pipeline_v.consumer_wait(v_state);
       issue_pv(v_state);
       pass_turn(warp_group);
@@ -196,11 +207,11 @@ struct ForwardMainloop {
       pipeline_v.consumer_release(v_state);
       scale_rows(o, rescale);
       convert_into(tSrS, tOrP);
-      v_state = read_state;
       ++read_state;
     }
 
     // The first key block's P V.
+    const PipelineState v_state = previous_stage(read_state);
     pipeline_v.consumer_wait(v_state);
     wait_turn(warp_group);
     issue_pv(v_state);

@@ -13,6 +13,15 @@ using namespace cute;
 
 inline constexpr int kThreadsPerWarpGroup = 128;
 
+//! `value` through an opaque move: what is computed from the result cannot be hoisted out of the
+//! enclosing loop. Used for per-thread epilogue addresses, which would otherwise stay live in
+//! the consumers' registers across the whole mainloop of a persistent CTA.
+CUTE_DEVICE int opaque(int value) {
+  int result;
+  asm volatile("mov.b32 %0, %1;" : "=r"(result) : "r"(value));
+  return result;
+}
+
 //! Issues one warpgroup GEMM C (+)= A * B over all k-blocks as one wgmma batch.
 //! kWaitGroups >= 0 waits until at most that many batches are in flight; -1 leaves it async.
 template <bool kZeroInit, int kWaitGroups, class TiledMma, class TensorA, class TensorB,
