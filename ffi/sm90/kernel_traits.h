@@ -42,10 +42,9 @@ struct ForwardKernelTraits {
 
   // setmaxnreg budgets: consumers share what the launch allocation (all the block owns) leaves
   // after the producer. With three consumer warpgroups the producer takes 32, which leaves each
-  // consumer 160: ptxas then spills a few producer registers around the loads, but with the 152
-  // that any larger producer budget leaves, ptxas spills in the head-dim-64 consumers, which
-  // then lose 18-31% of their speed (measured on H200). With two, 40 lets the producer run
-  // without spills and still leaves the consumers 232.
+  // consumer 160 (ptxas: no spills on either side); the 152 that any larger producer budget
+  // leaves made the head-dim-64 consumers spill and lose 18-31% of their speed (measured on
+  // H200). With two, 40 lets the producer run without spills and leaves the consumers 232.
   static constexpr int kRegistersOwned = registers_at_launch(kNumThreads) * kNumThreads;
   static constexpr int kProducerRegisters = kNumConsumerWarpGroups >= 3 ? 32 : 40;
   static constexpr int kConsumerRegisters =
