@@ -107,7 +107,7 @@ else:
     lengths: bool = False
     is_causal: bool = True
     explicit: bool = False
-    all_reduce: tuple = ()  # ("dbias",): the bias gradient is all-reduced in the backward
+    dbias_all_reduced: bool = False  # the bias gradient is all-reduced in the backward
 
   def _operand_shape(letters: str, s: Setup):
     full = dict(B=s.B, N=s.N, T=s.T, S=s.S)
@@ -262,7 +262,7 @@ else:
     assert not _collective_shapes(fwd_hlo), _collective_shapes(fwd_hlo)
     found = _collective_shapes(bwd_hlo)
     allowed = {}
-    if "dbias" in s.all_reduce:
+    if s.dbias_all_reduced:
       local = _local_shape(x["bias"].shape, s.bias_spec, mesh)
       allowed["all-reduce"] = {_hlo_shape(local, DTYPE if DTYPE == jnp.float64 else jnp.float32)}
     kv_collective = _kv_gradient_collective(s, mesh)
@@ -291,9 +291,9 @@ else:
       Setup("bias-mask-lengths", (2, 4), ("x", None, "y"), bias="BNTS",
             bias_spec=("x", "y"), mask="BTS", mask_spec=("x",), lengths=True),
       Setup("bias-broadcast-batch", (2, 4), ("x", None, "y"), bias="NTS",
-            bias_spec=(None, "y"), all_reduce=("dbias",)),
+            bias_spec=(None, "y"), dbias_all_reduced=True),
       Setup("bias-broadcast-heads", (2, 4), ("x", None, "y"), bias="BTS",
-            bias_spec=("x",), all_reduce=("dbias",)),
+            bias_spec=("x",), dbias_all_reduced=True),
       Setup("explicit-mesh", (2, 4), ("x", None, "y"), N=8, K=4, explicit=True),
   ]
   if PLATFORM == "gpu":
