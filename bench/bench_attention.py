@@ -5,6 +5,8 @@ once and compared with jax_flash's result (max abs difference of the output, and
 ``--mode fwd_bwd``), then timed, all in one process:
 
   jax_flash    jax_flash.dot_product_attention(q, k, v, is_causal=...)
+  jax_flash_det  the same with deterministic=True (ordered dQ reduction in the Hopper backward;
+               not a peer: excluded from ours/best; opt-in with --impls)
   xla          jax.nn.dot_product_attention(..., implementation='xla'); skipped when one head's
                T x S float32 logits exceed --xla-max-logits-mib
   cudnn        jax.nn.dot_product_attention(..., implementation='cudnn')             (GPU only)
@@ -19,8 +21,9 @@ Timing: on the GPU, the kernels' device time of one call measured with CUPTI
 (jax.experimental.mosaic.gpu.profiler.measure), median over --iterations calls after a warm-up;
 on the CPU, the median wall-clock time of --iterations calls of the compiled function (after
 --warmup calls), the implementations' calls interleaved so that a change in the machine's load
-affects them alike. Both report XLA's memory analysis of each compiled executable (buffers that
-an FFI handler allocates internally are not part of it). Throughput counts FlashAttention FLOPs:
+affects them alike. Both report XLA's memory analysis of each compiled executable (its temporary
+buffers include the workspace of jax_flash's GPU backward, a result of the FFI call; its size is
+also recorded in the JSON as backward_workspace_bytes). Throughput counts FlashAttention FLOPs:
 4*B*N*T*S*H for the forward, halved when causal; fwd_bwd counts 3.5x the forward.
 
 Results: a table on stdout (printed cell by cell), and under --out (default bench/out) a JSON file
@@ -79,8 +82,10 @@ if __package__:
 else:  # run as a script: this file's directory is on sys.path
   import configs
 
-IMPLS = ("jax_flash", "cudnn", "xla", "pallas_mgpu", "fa3")
-DEFAULT_IMPLS = {"cpu": ("jax_flash", "xla"), "gpu": IMPLS}
+IMPLS = ("jax_flash", "jax_flash_det", "cudnn", "xla", "pallas_mgpu", "fa3")
+OURS = ("jax_flash", "jax_flash_det")  # never counted as peers
+DEFAULT_IMPLS = {"cpu": ("jax_flash", "xla"),
+                 "gpu": ("jax_flash", "cudnn", "xla", "pallas_mgpu", "fa3")}
 GPU_ONLY = ("cudnn", "pallas_mgpu", "fa3")
 REFERENCE = "jax_flash"
 DEFAULT_ITERATIONS = {"cpu": 5, "gpu": 20}
@@ -133,12 +138,24 @@ def _require_gpu(platform: str) -> None:
     raise Unsupported("GPU only")
 
 
-def build_jax_flash(shape: configs.Shape, platform: str, mode: str) -> Prepared:
+def build_jax_flash(shape: configs.Shape, platform: str, mode: str,
+                    deterministic: bool = False) -> Prepared:
   import jax_flash
+  from jax_flash import _extension
 
   causal = shape.causal
-  return Prepared(lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=causal),
-                  shape.dtype)
+  config = None
+  if platform == "gpu" and mode == "fwd_bwd":
+    config = dict(deterministic=deterministic,
+                  backward_workspace_bytes=_extension.backward_workspace_bytes(
+                      shape.batch, shape.q_len, shape.heads, shape.head_dim, shape.dtype,
+                      deterministic))
+  return Prepared(lambda q, k, v: jax_flash.dot_product_attention(
+      q, k, v, is_causal=causal, deterministic=deterministic), shape.dtype, config=config)
+
+
+def build_jax_flash_det(shape: configs.Shape, platform: str, mode: str) -> Prepared:
+  return build_jax_flash(shape, platform, mode, deterministic=True)
 
 
 def _jax_nn(implementation: str, shape: configs.Shape) -> Callable:
@@ -201,6 +218,7 @@ def build_fa3(shape: configs.Shape, platform: str, mode: str) -> Prepared:
 
 BUILDERS: dict[str, Callable[[configs.Shape, str, str], Prepared]] = {
     "jax_flash": build_jax_flash,
+    "jax_flash_det": build_jax_flash_det,
     "xla": build_xla,
     "cudnn": build_cudnn,
     "pallas_mgpu": build_pallas_mgpu,
@@ -564,7 +582,7 @@ def ratio_vs_best_peer(results: dict) -> tuple[float | None, str | None]:
   if ours.get("status") != STATUS_OK:
     return None, None
   peers = {n: r["flops_per_s"] for n, r in results.items()
-           if n != REFERENCE and r.get("status") == STATUS_OK}
+           if n not in OURS and r.get("status") == STATUS_OK}
   if not peers:
     return None, None
   best = max(peers, key=peers.get)
@@ -616,8 +634,9 @@ def table_lines(data: dict) -> list[str]:
                       f"{s['batch']:>4} {s['heads']:>4} | " + " ".join(
                           f"{(f'{t / 2**20:.1f}' if t is not None else '-'):>12}" for t in temps))
   if mem_rows:
-    lines += ["", "XLA temp buffers of the compiled function, MiB (memory_analysis; an FFI "
-              "handler's own allocations are not included)", head.split(" | ")[0] + " | " +
+    lines += ["", "XLA temp buffers of the compiled function, MiB (memory_analysis; includes "
+              "jax_flash's GPU backward workspace)",
+              head.split(" | ")[0] + " | " +
               " ".join(f"{n:>12}" for n in impls)] + mem_rows
   errors: dict[tuple[str, str], int] = {}
   for cell in data["cells"]:
@@ -657,7 +676,7 @@ def plot(data: dict, path: Path) -> None:
     return
   fig, axes = plt.subplots(len(head_dims), len(causals), squeeze=False,
                            figsize=(5.5 * len(causals), 3.8 * len(head_dims)))
-  markers = dict(zip(IMPLS, "osD^v"))
+  markers = dict(zip(IMPLS, "oxsD^v"))
   colors = {name: f"C{i}" for i, name in enumerate(IMPLS)}
   for i, h in enumerate(head_dims):
     for j, c in enumerate(causals):

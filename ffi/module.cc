@@ -7,11 +7,15 @@
 #include <type_traits>
 
 #include "common/ffi_glue.h"
+#if defined(JAX_FLASH_WITH_CUDA)
+#include "sm90/launch.h"
+#endif
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFlashForwardCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFlashBackwardCpu);
 #if defined(JAX_FLASH_WITH_CUDA)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFlashForwardCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFlashBackwardCuda);
 #endif
 
 namespace nb = nanobind;
@@ -33,8 +37,8 @@ nb::dict Registrations() {
   platforms["cpu"] = cpu;
 #if defined(JAX_FLASH_WITH_CUDA)
   nb::dict cuda;
-  // The GPU backward runs through jax_flash's blockwise path until a Hopper backward exists.
   cuda["jax_flash_fwd"] = Encapsulate(JaxFlashForwardCuda);
+  cuda["jax_flash_bwd"] = Encapsulate(JaxFlashBackwardCuda);
   platforms["CUDA"] = cuda;
 #endif
   return platforms;
@@ -52,6 +56,29 @@ nb::dict BuildInfo() {
   return info;
 }
 
+#if defined(JAX_FLASH_WITH_CUDA)
+//! Bytes of device workspace the Hopper backward takes from XLA's scratch allocator for a
+//! problem of these sizes (query rows, query heads, head dim over `batch` items).
+int64_t BackwardWorkspaceBytes(int64_t batch, int64_t seqlen_q, int64_t num_heads,
+                               int64_t head_dim, bool bfloat16, bool deterministic) {
+  jax_flash::BackwardParams params;
+  jax_flash::AttentionShape& shape = params.fwd.shape;
+  shape.batch.rank = 1;
+  shape.batch.extent[0] = batch;
+  shape.seqlen_q = seqlen_q;
+  shape.seqlen_k = 1;
+  shape.num_heads = num_heads;
+  shape.num_kv_heads = 1;
+  shape.head_dim = head_dim;
+  shape.dtype = bfloat16 ? jax_flash::ElementType::kBFloat16 : jax_flash::ElementType::kFloat16;
+  params.deterministic = deterministic;
+  jax_flash::sm90::BackwardWorkspaceLayout layout;
+  const jax_flash::Status status = jax_flash::sm90::GetBackwardWorkspaceLayout(params, &layout);
+  if (!status.ok()) throw nb::value_error(status.message().c_str());
+  return layout.bytes;
+}
+#endif
+
 }  // namespace
 
 NB_MODULE(_jax_flash_ext, m) {
@@ -59,4 +86,10 @@ NB_MODULE(_jax_flash_ext, m) {
   m.def("registrations", &Registrations,
         "FFI handler capsules keyed by platform name, then by target name.");
   m.def("build_info", &BuildInfo, "How this extension was built.");
+#if defined(JAX_FLASH_WITH_CUDA)
+  m.def("backward_workspace_bytes", &BackwardWorkspaceBytes, nb::arg("batch"),
+        nb::arg("seqlen_q"), nb::arg("num_heads"), nb::arg("head_dim"), nb::arg("bfloat16"),
+        nb::arg("deterministic"),
+        "Bytes of device workspace the Hopper backward takes from XLA for these sizes.");
+#endif
 }

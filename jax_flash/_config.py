@@ -1,7 +1,8 @@
 """The table of compiled configurations (kernel_configs.json), read once.
 
-The same file drives the CMake build (which instantiates the Hopper kernels from it), the
-argument validation in this package, and the tests.
+The same file drives the CMake build (which instantiates the Hopper kernels from it and compiles
+in which optional operands each takes), the argument validation and the routing of calls in this
+package, and the tests.
 """
 
 from __future__ import annotations
@@ -23,18 +24,54 @@ class Sm90ForwardTile:
   stages: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Sm90BackwardTile:
+  head_dim: int
+  block_m: int  # queries per step
+  block_n: int  # keys per CTA
+  stages_q: int
+  stages_do: int
+  stages_ds: int
+  dq_slices: int
+  sdp_warpgroups_along_keys: int
+  dkv_warpgroups_along_keys: int
+  dq_warpgroups_along_queries: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """One compiled kernel: its tiles and the optional logit arrays ("bias", "mask") it reads."""
+  tiles: tuple
+  features: frozenset
+
+  def takes(self, *, bias: bool, mask: bool) -> bool:
+    """Whether a call with (or without) bias and mask arrays runs on this kernel."""
+    return (not bias or "bias" in self.features) and (not mask or "mask" in self.features)
+
+
 def _dtype(name: str) -> np.dtype:
   import ml_dtypes  # jax dependency; provides bfloat16 as a numpy dtype
 
   return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
+def _kernel(entry: dict, tile_type) -> Kernel:
+  return Kernel(tuple(tile_type(**row) for row in entry["tiles"]), frozenset(entry["features"]))
+
+
 CPU_DTYPES = tuple(_dtype(d) for d in _TABLE["cpu"]["dtypes"])
+CPU_FEATURES = frozenset(_TABLE["cpu"]["features"])
 GPU_DTYPES = tuple(_dtype(d) for d in _TABLE["sm90"]["dtypes"])
 GPU_HEAD_DIM_MULTIPLE: int = _TABLE["sm90"]["head_dim_multiple"]
-SM90_FORWARD_TILES = tuple(Sm90ForwardTile(**row) for row in _TABLE["sm90"]["forward"])
+SM90_FORWARD = _kernel(_TABLE["sm90"]["forward"], Sm90ForwardTile)
+SM90_BACKWARD = _kernel(_TABLE["sm90"]["backward"], Sm90BackwardTile)
+SM90_FORWARD_TILES = SM90_FORWARD.tiles
+SM90_BACKWARD_TILES = SM90_BACKWARD.tiles
 GPU_HEAD_DIMS = tuple(t.head_dim for t in SM90_FORWARD_TILES)
 GPU_MAX_HEAD_DIM = max(GPU_HEAD_DIMS)
+if tuple(t.head_dim for t in SM90_BACKWARD_TILES) != GPU_HEAD_DIMS:
+  raise ImportError("kernel_configs.json: the sm90 forward and backward tiles must cover the same "
+                    "head dims")
 
 
 def gpu_head_dim_supported(head_dim: int) -> bool:

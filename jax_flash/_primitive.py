@@ -20,11 +20,11 @@ Layers, outermost first:
   custom_partitioning  `_sharding.partitioned`: under jit with sharded operands each device
                  runs the call on its shard (batch and head sharding; see _sharding.py).
   platform routing  `_forward_impl` / `_backward_impl`: the CPU runs both passes in the C++
-                 kernels. On CUDA the Hopper kernel runs the forward; calls with bias or mask
-                 arrays, and the backward, run through the blockwise JAX path (_blockwise.py,
-                 same semantics, O(T * block) memory) until Hopper kernels cover them. The
-                 choice is made per lowering platform (lax.platform_dependent), not at trace
-                 time.
+                 kernels. On CUDA the Hopper kernels run both passes; a call with a bias or
+                 mask array that a kernel does not read (its "features" in
+                 kernel_configs.json) runs that pass through the blockwise JAX path instead
+                 (_blockwise.py, same semantics, O(T * block) memory). The platform is chosen
+                 per lowering (lax.platform_dependent), not at trace time.
 
 All layers below the custom_vjp take operands with any number r >= 1 of leading batch axes
 (q (batch..., T, N, H), bias (batch..., N|1, T|1, S|1), lengths (batch...)); every batch axis
@@ -34,13 +34,14 @@ of an operand has the problem's extent or 1.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _blockwise, _extension, _sharding
+from . import _blockwise, _config, _extension, _sharding
 from ._validation import AttentionConfig
 
 
@@ -58,6 +59,7 @@ def _attributes(config: AttentionConfig, bias, mask, q_len, kv_len) -> dict:
       has_mask=mask is not None,
       has_q_seqlens=q_len is not None,
       has_kv_seqlens=kv_len is not None,
+      deterministic=bool(config.deterministic),
   )
 
 
@@ -91,7 +93,11 @@ def _forward_call(config, q, k, v, bias, mask, q_len, kv_len):
                     **_attributes(config, bias, mask, q_len, kv_len)))
 
 
-def _backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len):
+def _backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, *,
+                   gpu_workspace=False):
+  """The backward FFI call. With gpu_workspace (the CUDA handler) one more result: the Hopper
+  backward's workspace, which XLA allocates with the call's other buffers and which is dropped
+  here (a temporary of the compiled program)."""
   _extension.ensure_registered()
   batch = _batch_shape(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len)
   rank = len(batch)
@@ -101,6 +107,11 @@ def _backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_
     # problem) and the bias's own extents elsewhere: the kernels sum over the axes where a
     # problem broadcasts the bias.
     result_types.append(jax.ShapeDtypeStruct(batch[:-1] + bias.shape[rank - 1:], bias.dtype))
+  if gpu_workspace:
+    T, N, H = q.shape[rank:]
+    nbytes = _extension.backward_workspace_bytes(math.prod(batch), T, N, H, q.dtype,
+                                                 config.deterministic)
+    result_types.append(jax.ShapeDtypeStruct((nbytes,), np.uint8))
   call = jax.ffi.ffi_call(_extension.BACKWARD_TARGET, tuple(result_types),
                           vmap_method="expand_dims")
   grads = call(q, k, v, out, lse, dout, dlse, *_present(bias, mask, q_len, kv_len),
@@ -152,14 +163,17 @@ def _blockwise_backward(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len
 # --- platform routing --------------------------------------------------------------------------
 
 
+def _on_gpu_kernel(kernel: _config.Kernel, kernel_call, blockwise_call, bias, mask):
+  """The Hopper kernel's call when it reads the call's optional arrays, else the blockwise one."""
+  if kernel.takes(bias=bias is not None, mask=mask is not None):
+    return kernel_call
+  return blockwise_call
+
+
 def _forward_impl(spec: _sharding.CallSpec, q, k, v, bias, mask, q_len, kv_len):
   config = spec.config
-
-  def cuda(*operands):
-    if bias is not None or mask is not None:
-      return _blockwise_forward(config, *operands)
-    return _forward_call(config, *operands)
-
+  cuda = _on_gpu_kernel(_config.SM90_FORWARD, functools.partial(_forward_call, config),
+                        functools.partial(_blockwise_forward, config), bias, mask)
   return tuple(lax.platform_dependent(q, k, v, bias, mask, q_len, kv_len,
                                       cpu=functools.partial(_forward_call, config), cuda=cuda))
 
@@ -167,9 +181,11 @@ def _forward_impl(spec: _sharding.CallSpec, q, k, v, bias, mask, q_len, kv_len):
 def _backward_impl(spec: _sharding.CallSpec, q, k, v, out, lse, dout, dlse, bias, mask, q_len,
                    kv_len):
   config = spec.config
+  cuda = _on_gpu_kernel(_config.SM90_BACKWARD,
+                        functools.partial(_backward_call, config, gpu_workspace=True),
+                        functools.partial(_blockwise_backward, config), bias, mask)
   return tuple(lax.platform_dependent(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len,
-                                      cpu=functools.partial(_backward_call, config),
-                                      cuda=functools.partial(_blockwise_backward, config)))
+                                      cpu=functools.partial(_backward_call, config), cuda=cuda))
 
 
 _partitioned_forward = _sharding.partitioned(_sharding.FORWARD, _forward_impl)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 from typing import Any
 
 import jax
@@ -26,6 +27,7 @@ class AttentionConfig:
   scale: float  # >= 0: canonicalize folds a negative scale into the query
   window_left: int  # -1: unbounded
   window_right: int  # -1: unbounded; causal is window_right == 0
+  deterministic: bool = False  # the GPU backward adds its dQ partial sums in a fixed order
 
 
 @dataclasses.dataclass
@@ -120,6 +122,24 @@ def _window(local_window_size, is_causal: bool) -> tuple[int, int]:
   return left, right
 
 
+def _xla_deterministic_ops() -> bool:
+  """Whether XLA_FLAGS asks XLA for deterministic GPU ops (--xla_gpu_deterministic_ops)."""
+  value = None
+  for flag in os.environ.get("XLA_FLAGS", "").split():
+    name, _, setting = flag.partition("=")
+    if name.lstrip("-") == "xla_gpu_deterministic_ops":
+      value = setting.lower() in ("", "true", "1")
+  return bool(value)
+
+
+def _deterministic(deterministic) -> bool:
+  if deterministic is None:
+    return _xla_deterministic_ops()
+  if not isinstance(deterministic, (bool, np.bool_)):
+    raise TypeError(f"deterministic must be a bool or None, got {type(deterministic).__name__}")
+  return bool(deterministic)
+
+
 def _check_gpu_support(query: jax.Array, head_dim: int) -> None:
   if not _extension.cuda_built():
     raise NotImplementedError(
@@ -137,7 +157,7 @@ def _check_gpu_support(query: jax.Array, head_dim: int) -> None:
 
 
 def canonicalize(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
-                 key_value_seq_lengths, local_window_size) -> CanonicalCall:
+                 key_value_seq_lengths, local_window_size, deterministic=None) -> CanonicalCall:
   query, key, value = (_as_array(x, n) for x, n in ((query, "query"), (key, "key"),
                                                     (value, "value")))
   _check_qkv(query, key, value)
@@ -170,6 +190,7 @@ def canonicalize(query, key, value, bias, mask, *, scale, is_causal, query_seq_l
     # (-scale) * (-q) . k is the same logit, and the gradient flows through the negation.
     query, scale = -query, -scale
   window_left, window_right = _window(local_window_size, bool(is_causal))
+  deterministic = _deterministic(deterministic)
 
   full = (B, N, T, S)
   if bias is not None:
@@ -194,4 +215,5 @@ def canonicalize(query, key, value, bias, mask, *, scale, is_causal, query_seq_l
     _check_gpu_support(query, H)
 
   return CanonicalCall(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
-                       AttentionConfig(scale, window_left, window_right), unbatched)
+                       AttentionConfig(scale, window_left, window_right, deterministic),
+                       unbatched)

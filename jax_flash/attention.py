@@ -10,7 +10,7 @@ from ._validation import canonicalize
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
                           is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
-                          local_window_size=None, return_residual=False):
+                          local_window_size=None, return_residual=False, deterministic=None):
   r"""Scaled dot-product attention, exact, in O(T*H + S*H) memory.
 
   Same arguments and meaning as ``jax.nn.dot_product_attention``:
@@ -31,6 +31,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       ``i - left <= j <= i + right``.
     return_residual: also return the log-sum-exp of the scaled, biased logits, shaped like
       ``query`` without its last axis, in float32 (float64 for float64 inputs).
+    deterministic: whether the gradients must be bit-identical from run to run. The Hopper
+      backward adds the dQ partial sums of its key blocks in whatever order they finish unless
+      this is True, which orders them (somewhat slower); the CPU kernels are always
+      deterministic. ``None`` follows XLA's ``--xla_gpu_deterministic_ops`` flag in
+      ``XLA_FLAGS`` (off by default). Not part of ``jax.nn.dot_product_attention``.
 
   Returns:
     The attention output, shaped and typed like ``query``; with ``return_residual`` a pair
@@ -41,7 +46,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   call = canonicalize(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                       query_seq_lengths=query_seq_lengths,
                       key_value_seq_lengths=key_value_seq_lengths,
-                      local_window_size=local_window_size)
+                      local_window_size=local_window_size, deterministic=deterministic)
   q = call.query
   B, T, N, _ = q.shape
   if B == 0 or T == 0 or call.key.shape[1] == 0:

@@ -27,5 +27,9 @@ def capabilities() -> dict:
           "head_dims": f"multiples of {_config.GPU_HEAD_DIM_MULTIPLE} up to "
                        f"{_config.GPU_MAX_HEAD_DIM}",
           "tiles": [t.__dict__ for t in _config.SM90_FORWARD_TILES],
+          "backward_tiles": [t.__dict__ for t in _config.SM90_BACKWARD_TILES],
+          # Calls with arrays a kernel does not read run on the blockwise JAX path.
+          "kernel_features": {"forward": sorted(_config.SM90_FORWARD.features),
+                              "backward": sorted(_config.SM90_BACKWARD.features)},
       },
   }

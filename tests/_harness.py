@@ -464,7 +464,8 @@ def check_gradients(case: Case, platform: str = "cpu", seed: int = 0, *, through
   for name, i, g, h, b, e in zip(names, argnums, ours, hi, base or [None] * 4, inherited):
     primal = ops[i]
     assert g.shape == primal.shape and g.dtype == primal.dtype, (name, g.shape, g.dtype)
-    assert_close(f"{name} [{case}]", g, h, b, kind="grad", dtype=dt,
+    assert_close(f"{name} [{case}]", g, h, b, kind="grad_cudnn" if base_name == "cudnn" else "grad",
+                 dtype=dt,
                  chain=case.S + case.T + case.H, logit_max=L, note=base_name or "",
                  propagated=e)
   return ours

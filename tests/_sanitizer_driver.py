@@ -1,4 +1,4 @@
-"""Runs the Hopper forward kernel on small problems of every compiled tile, for
+"""Runs the Hopper forward and backward kernels on small problems of every compiled tile, for
 compute-sanitizer (tests/test_gpu_sanitizer.py starts this script under it, one process per
 case so that the cases run in parallel and a slow one is named).
 
@@ -6,9 +6,10 @@ case so that the cases run in parallel and a slow one is named).
 
 Cases, for each compiled tile: causal and not, a local window, ragged query and key/value
 lengths (zero and past the end included), mostly empty batch items over a grid where every
-CTA walks several tiles, grouped-query heads, sizes that are not multiples of any tile, and
-every compiled dtype once. Every output is checked to be finite, so a kernel that
-reads garbage fails here too.
+CTA walks several tiles, grouped-query heads, sizes that are not multiples of any tile, every
+compiled dtype, and the backward's ordered (deterministic) dQ reduction. Each case also runs
+the gradients (the backward's three kernels). Every output and gradient is checked to be
+finite, so a kernel that reads garbage fails here too.
 """
 
 from __future__ import annotations
@@ -31,13 +32,16 @@ def cases():
     yield dict(H=H, dtype=dtypes[i % len(dtypes)], is_causal=False, window=None, lengths=None)
     yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=True, window=None,
                lengths="ragged")
-    yield dict(H=H, dtype=dtypes[0], is_causal=False, window=(37, 5), lengths="ragged")
-    # Enough tiles that every CTA of the persistent grid walks several, most of them empty.
+    yield dict(H=H, dtype=dtypes[0], is_causal=False, window=(37, 5), lengths="ragged",
+               deterministic=True)
+    # Enough tiles that every CTA of the persistent forward grid walks several, most of them
+    # empty (the forward's case: the backward's grid is one CTA per tile).
     yield dict(H=H, dtype=dtypes[1 % len(dtypes)], is_causal=False, window=None,
-               lengths="mostly_empty", B=24, N=16, K=4)
+               lengths="mostly_empty", B=24, N=16, K=4, grads=False)
 
 
-def run(H, dtype, is_causal, window, lengths, B=3, T=227, S=301, N=4, K=2):
+def run(H, dtype, is_causal, window, lengths, B=3, T=167, S=201, N=4, K=2, deterministic=False,
+        grads=True):
   # Inputs from numpy: compiling jax.random's kernels under the sanitizer costs more host time
   # than the attention itself.
   rng = np.random.default_rng(H)
@@ -51,12 +55,24 @@ def run(H, dtype, is_causal, window, lengths, B=3, T=227, S=301, N=4, K=2):
     b = np.arange(B)
     kwargs.update(query_seq_lengths=jnp.asarray(np.where(b % 2 == 1, 0, T), jnp.int32),
                   key_value_seq_lengths=jnp.asarray(np.where(b % 6 == 0, S, 0), jnp.int32))
-  out, lse = jax.jit(lambda q, k, v: jax_flash.dot_product_attention(
-      q, k, v, return_residual=True, **kwargs))(q, k, v)
-  out = np.asarray(out.astype(jnp.float32))
-  if not np.isfinite(out).all():
-    raise AssertionError(f"non-finite output for H={H} {dtype} causal={is_causal} "
-                         f"window={window} lengths={lengths}")
+  dout = jnp.asarray(rng.standard_normal((B, T, N, H), np.float32), dtype)
+
+  def loss(q, k, v):
+    out, lse = jax_flash.dot_product_attention(q, k, v, return_residual=True,
+                                               deterministic=deterministic, **kwargs)
+    live = jnp.isfinite(lse)
+    return (jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)) +
+            jnp.sum(jnp.where(live, lse, 0.0))), out
+
+  if grads:
+    (_, out), results = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  else:
+    _, out = jax.jit(loss)(q, k, v)
+    results = ()
+  for name, x in zip(("output", "dq", "dk", "dv"), (out, *results)):
+    if not np.isfinite(np.asarray(x.astype(jnp.float32))).all():
+      raise AssertionError(f"non-finite {name} for H={H} {dtype} causal={is_causal} "
+                           f"window={window} lengths={lengths}")
   return out
 
 

@@ -24,6 +24,10 @@ def test_capabilities_agree_with_the_table():
   assert caps["gpu"]["tiles"] == [
       dict(head_dim=t.head_dim, block_m=t.block_m, block_n=t.block_n, stages=t.stages)
       for t in _config.SM90_FORWARD_TILES]
+  assert [t["head_dim"] for t in caps["gpu"]["backward_tiles"]] == list(_config.GPU_HEAD_DIMS)
+  assert caps["gpu"]["kernel_features"] == {
+      "forward": sorted(_config.SM90_FORWARD.features),
+      "backward": sorted(_config.SM90_BACKWARD.features)}
   assert str(_config.GPU_MAX_HEAD_DIM) in caps["gpu"]["head_dims"]
   assert str(_config.GPU_HEAD_DIM_MULTIPLE) in caps["gpu"]["head_dims"]
 
@@ -33,8 +37,20 @@ def test_config_module_reads_the_json_table():
   assert [d.name for d in _config.CPU_DTYPES] == table["cpu"]["dtypes"]
   assert [d.name for d in _config.GPU_DTYPES] == table["sm90"]["dtypes"]
   assert _config.GPU_HEAD_DIM_MULTIPLE == table["sm90"]["head_dim_multiple"]
-  assert [t.__dict__ for t in _config.SM90_FORWARD_TILES] == table["sm90"]["forward"]
-  assert _config.GPU_MAX_HEAD_DIM == max(row["head_dim"] for row in table["sm90"]["forward"])
+  for kernel, entry in ((_config.SM90_FORWARD, table["sm90"]["forward"]),
+                        (_config.SM90_BACKWARD, table["sm90"]["backward"])):
+    assert [t.__dict__ for t in kernel.tiles] == entry["tiles"]
+    assert kernel.features == frozenset(entry["features"])
+  assert _config.CPU_FEATURES == frozenset(table["cpu"]["features"])
+  assert _config.GPU_MAX_HEAD_DIM == max(row["head_dim"] for row in table["sm90"]["forward"]["tiles"])
+
+
+def test_kernel_features_route_calls():
+  kernel = _config.Kernel(tiles=(), features=frozenset({"bias"}))
+  assert kernel.takes(bias=False, mask=False)
+  assert kernel.takes(bias=True, mask=False)
+  assert not kernel.takes(bias=False, mask=True)
+  assert not _config.Kernel(tiles=(), features=frozenset()).takes(bias=True, mask=False)
 
 
 def test_table_is_consistent():
@@ -43,6 +59,13 @@ def test_table_is_consistent():
   for tile in _config.SM90_FORWARD_TILES:
     assert tile.head_dim % _config.GPU_HEAD_DIM_MULTIPLE == 0
     assert tile.block_m > 0 and tile.block_n > 0 and tile.stages > 0
+  for tile in _config.SM90_BACKWARD_TILES:
+    # Each of the two MMA warpgroups holds 64 key rows of S^T and of dK/dV, 64 rows of dQ.
+    assert tile.block_n == 64 * tile.sdp_warpgroups_along_keys
+    assert tile.block_n == 64 * tile.dkv_warpgroups_along_keys
+    assert tile.block_m == 64 * tile.dq_warpgroups_along_queries
+    assert tile.head_dim % (tile.dq_slices * 8) == 0
+    assert min(tile.stages_q, tile.stages_do, tile.stages_ds) >= 1
 
 
 def test_gpu_head_dim_supported_follows_the_table():

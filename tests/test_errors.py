@@ -170,6 +170,31 @@ def test_window_accepts_numpy_integers_and_lists():
   assert a.shape == b.shape == (2, 5, 4, 8)
 
 
+@pytest.mark.parametrize("value", [1, "yes", jnp.array(True)], ids=["int", "str", "array"])
+def test_deterministic_not_bool(value):
+  with pytest.raises(TypeError, match="deterministic"):
+    attend(*arrays(), deterministic=value)
+
+
+@pytest.mark.parametrize("flags,expected", [
+    ("", False),
+    ("--xla_gpu_deterministic_ops=true", True),
+    ("--xla_gpu_deterministic_ops", True),
+    ("--xla_gpu_autotune_level=0 --xla_gpu_deterministic_ops=false", False),
+    ("--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=false", False),
+], ids=["unset", "true", "bare", "false", "last-wins"])
+def test_deterministic_default_follows_xla_flags(monkeypatch, flags, expected):
+  monkeypatch.setenv("XLA_FLAGS", flags)
+  call = _validation.canonicalize(*arrays(), None, None, scale=None, is_causal=False,
+                                  query_seq_lengths=None, key_value_seq_lengths=None,
+                                  local_window_size=None)
+  assert call.config.deterministic is expected
+  explicit = _validation.canonicalize(*arrays(), None, None, scale=None, is_causal=False,
+                                      query_seq_lengths=None, key_value_seq_lengths=None,
+                                      local_window_size=None, deterministic=not expected)
+  assert explicit.config.deterministic is (not expected)
+
+
 # --- bias and mask -----------------------------------------------------------------------------
 
 
@@ -325,7 +350,8 @@ def test_default_device_selects_the_gpu_checks():
 
 def _attrs(**overrides):
   attrs = dict(scale=np.float64(0.5), window_left=np.int64(-1), window_right=np.int64(-1),
-               has_bias=False, has_mask=False, has_q_seqlens=False, has_kv_seqlens=False)
+               has_bias=False, has_mask=False, has_q_seqlens=False, has_kv_seqlens=False,
+               deterministic=False)
   attrs.update(overrides)
   return attrs
 

@@ -1,5 +1,5 @@
-"""compute-sanitizer (memcheck, racecheck, synccheck) over the Hopper forward kernel on small
-problems of every compiled tile (tests/_sanitizer_driver.py). GPU only; skipped (or failed with
+"""compute-sanitizer (memcheck, racecheck, synccheck) over the Hopper forward and backward kernels
+on small problems of every compiled tile (tests/_sanitizer_driver.py). GPU only; skipped (or failed with
 JAX_FLASH_REQUIRE_GPU=1) without a GPU, and skipped when compute-sanitizer is not installed."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _run_case(sanitizer: str, tool: str, index: int) -> tuple[int, str | None]:
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
   command = [sanitizer, "--tool", tool, "--error-exitcode", "99",
              # Only jax_flash's kernels: XLA's and cuDNN's own kernels are not under test.
-             "--kernel-name", "kns=forward_kernel", sys.executable, str(DRIVER), str(index)]
+             "--kernel-name", "kns=jax_flash", sys.executable, str(DRIVER), str(index)]
   start = time.monotonic()
   try:
     proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -63,7 +63,7 @@ def _run_case(sanitizer: str, tool: str, index: int) -> tuple[int, str | None]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
-def test_forward_kernel_is_clean_under_compute_sanitizer(tool):
+def test_kernels_are_clean_under_compute_sanitizer(tool):
   require_gpu()
   sanitizer = _sanitizer()
   if sanitizer is None:

@@ -222,33 +222,41 @@ def test_nested_vmap(platform):
 # --- vmap and grad together -------------------------------------------------------------------
 
 
-def _loss(case: Case, q, k, v, bias, dout):
-  out = _call(case)(q, k, v, bias)
+def _grad_names(case: Case):
+  """The differentiated operands: the bias too when the case has one."""
+  return ("q", "k", "v", "bias") if case.bias is not None else ("q", "k", "v")
+
+
+def _loss(case: Case, dout, *operands):
+  out = _call(case)(*operands)
   return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
 
 
 def _reference_grads(case: Case, inp: Inputs, dout, dtype):
   vis = visibility(case, inp)
+  names = _grad_names(case)
 
-  def loss(q, k, v, bias):
-    out, _ = ref.attention_with_lse(q, k, v, bias, vis, scale=case.scale)
+  def loss(*operands):
+    bias = operands[3] if len(operands) > 3 else None
+    out, _ = ref.attention_with_lse(*operands[:3], bias, vis, scale=case.scale)
     return jnp.sum(out * jnp.asarray(dout).astype(out.dtype))
 
-  args = [jnp.asarray(x).astype(dtype) for x in (inp.q, inp.k, inp.v, inp.bias)]
-  return [np.asarray(g) for g in jax.grad(loss, argnums=(0, 1, 2, 3))(*args)]
+  args = [jnp.asarray(getattr(inp, n)).astype(dtype) for n in names]
+  return [np.asarray(g) for g in jax.grad(loss, argnums=tuple(range(len(names))))(*args)]
 
 
 def _check_grads_stacked(what, case, ours, problems, dout, kv_shared: bool):
-  """ours: (dq, dk, dv, dbias), each stacked over problems (dk/dv summed when k/v are shared).
-  References: the definition in float64, and as baseline in the input dtype (the cases have
-  no empty rows, where the definition and jax's path agree)."""
+  """ours: (dq, dk, dv[, dbias]), each stacked over problems (dk/dv summed when k/v are
+  shared). References: the definition in float64, and as baseline in the input dtype (the cases
+  have no empty rows, where the definition and jax's path agree)."""
   dt = np_dtype(case.dtype)
   with ref.precise():
     hi = [_reference_grads(case, p, dout[m], np.float64) for m, p in enumerate(problems)]
   base = None
   if dt != np.float64:
     base = [_reference_grads(case, p, dout[m], dt) for m, p in enumerate(problems)]
-  for g, name in enumerate(("dq", "dk", "dv", "dbias")):
+  assert len(ours) == len(_grad_names(case))
+  for g, name in enumerate(("dq", "dk", "dv", "dbias")[:len(ours)]):
     reduce = kv_shared and name in ("dk", "dv")
     h = np.stack([x[g] for x in hi])
     b = None if base is None else np.stack([np.asarray(x[g], np.float64) for x in base])
@@ -261,56 +269,77 @@ def _check_grads_stacked(what, case, ours, problems, dout, kv_shared: bool):
                  chain=case.S + case.T + case.H + (len(problems) if reduce else 0))
 
 
-def _grad_setup(platform, mapped):
-  case = case_on(platform, bias="BNTS", is_causal=True, N=2, K=1)
+# With a bias the GPU backward runs on the blockwise path, without one on the Hopper kernel.
+GRAD_BIAS = pytest.mark.parametrize("bias", ["BNTS", None], ids=["bias", "no-bias"])
+
+
+def _grad_setup(platform, mapped, bias):
+  case = case_on(platform, bias=bias, is_causal=True, N=2, K=1)
   problems = _mapped_inputs(case, mapped)
   rng = np.random.default_rng(11)
   dout = rng.standard_normal((M,) + problems[0].q.shape).astype(np_dtype(case.dtype))
   return case, problems, dout
 
 
-def test_vmap_of_grad(platform):
-  case, problems, dout = _grad_setup(platform, {"q", "k", "v", "bias"})
-  g = jax.grad(lambda q, k, v, b, d: _loss(case, q, k, v, b, d), argnums=(0, 1, 2, 3))
-  args = [jnp.asarray(_stack(problems, n)) for n in ("q", "k", "v", "bias")]
-  ours = jax.vmap(g)(*args, jnp.asarray(dout))
+def _grad_fn(case: Case):
+  names = _grad_names(case)
+  return jax.grad(lambda d, *operands: _loss(case, d, *operands),
+                  argnums=tuple(range(1, len(names) + 1)))
+
+
+@GRAD_BIAS
+def test_vmap_of_grad(platform, bias):
+  case, problems, dout = _grad_setup(platform, {"q", "k", "v", "bias"}, bias)
+  args = [jnp.asarray(_stack(problems, n)) for n in _grad_names(case)]
+  ours = jax.vmap(_grad_fn(case))(jnp.asarray(dout), *args)
   _check_grads_stacked("vmap(grad)", case, ours, problems, dout, kv_shared=False)
 
 
-def test_jit_of_vmap_of_grad_with_shared_key_value(platform):
+@GRAD_BIAS
+def test_jit_of_vmap_of_grad_with_shared_key_value(platform, bias):
   """k and v unmapped: vmap(grad) still returns one gradient per mapped problem (the backward
   sees a broadcast k/v, extent 1 on the mapped axis)."""
-  case, problems, dout = _grad_setup(platform, {"q", "bias"})
-  g = jax.grad(lambda q, k, v, b, d: _loss(case, q, k, v, b, d), argnums=(0, 1, 2, 3))
-  f = jax.jit(jax.vmap(g, in_axes=(0, None, None, 0, 0)))
-  ours = f(jnp.asarray(_stack(problems, "q")), jnp.asarray(problems[0].k),
-           jnp.asarray(problems[0].v), jnp.asarray(_stack(problems, "bias")), jnp.asarray(dout))
+  case, problems, dout = _grad_setup(platform, {"q", "bias"}, bias)
+  in_axes = (0, 0, None, None, 0)[:len(_grad_names(case)) + 1]
+  f = jax.jit(jax.vmap(_grad_fn(case), in_axes=in_axes))
+  args = [jnp.asarray(_stack(problems, "q")), jnp.asarray(problems[0].k),
+          jnp.asarray(problems[0].v)]
+  if case.bias is not None:
+    args.append(jnp.asarray(_stack(problems, "bias")))
+  ours = f(jnp.asarray(dout), *args)
   _check_grads_stacked("jit(vmap(grad))", case, ours, problems, dout, kv_shared=False)
 
 
-def test_grad_of_vmap_with_shared_key_value(platform):
+@GRAD_BIAS
+def test_grad_of_vmap_with_shared_key_value(platform, bias):
   """k and v unmapped inside grad: their gradient is the sum over the mapped problems."""
-  case, problems, dout = _grad_setup(platform, {"q", "bias"})
+  case, problems, dout = _grad_setup(platform, {"q", "bias"}, bias)
+  names = _grad_names(case)
 
-  def total(q, k, v, b):
-    out = jax.vmap(_call(case), in_axes=(0, None, None, 0))(q, k, v, b)
+  def total(*operands):
+    in_axes = (0, None, None, 0)[:len(names)]
+    out = jax.vmap(_call(case), in_axes=in_axes)(*operands)
     return jnp.sum(out.astype(jnp.float32) * jnp.asarray(dout).astype(jnp.float32))
 
-  ours = jax.grad(total, argnums=(0, 1, 2, 3))(
-      jnp.asarray(_stack(problems, "q")), jnp.asarray(problems[0].k),
-      jnp.asarray(problems[0].v), jnp.asarray(_stack(problems, "bias")))
+  args = [jnp.asarray(_stack(problems, "q")), jnp.asarray(problems[0].k),
+          jnp.asarray(problems[0].v)]
+  if case.bias is not None:
+    args.append(jnp.asarray(_stack(problems, "bias")))
+  ours = jax.grad(total, argnums=tuple(range(len(names))))(*args)
   _check_grads_stacked("grad(vmap) shared k/v", case, ours, problems, dout, kv_shared=True)
 
 
-def test_grad_of_vmap(platform):
-  case, problems, dout = _grad_setup(platform, {"q", "k", "v", "bias"})
+@GRAD_BIAS
+def test_grad_of_vmap(platform, bias):
+  case, problems, dout = _grad_setup(platform, {"q", "k", "v", "bias"}, bias)
+  names = _grad_names(case)
 
-  def total(q, k, v, b):
-    out = jax.vmap(_call(case))(q, k, v, b)
+  def total(*operands):
+    out = jax.vmap(_call(case))(*operands)
     return jnp.sum(out.astype(jnp.float32) * jnp.asarray(dout).astype(jnp.float32))
 
-  args = [jnp.asarray(_stack(problems, n)) for n in ("q", "k", "v", "bias")]
-  ours = jax.grad(total, argnums=(0, 1, 2, 3))(*args)
+  args = [jnp.asarray(_stack(problems, n)) for n in names]
+  ours = jax.grad(total, argnums=tuple(range(len(names))))(*args)
   _check_grads_stacked("grad(vmap)", case, ours, problems, dout, kv_shared=False)
 
 

@@ -113,6 +113,9 @@ struct BackwardParams {
   Operand dlse;  //!< cotangent of the log-sum-exp (zeros unless the residual is used)
   Operand dq, dk, dv;
   Operand dbias;  //!< present exactly when fwd.bias is
+  //! Bit-identical gradients across runs: the GPU orders its dQ reductions (the CPU kernels
+  //! always are).
+  bool deterministic = false;
 };
 
 }  // namespace jax_flash

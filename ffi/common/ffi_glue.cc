@@ -289,8 +289,10 @@ Status MakeBackwardParams(const AttentionAttrs& attrs, ffi::AnyBuffer q, ffi::An
                           ffi::AnyBuffer dout, ffi::AnyBuffer dlse,
                           const ffi::RemainingArgs& optional_args, ffi::Result<ffi::AnyBuffer> dq,
                           ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                          const ffi::RemainingRets& optional_rets, BackwardParams* p) {
+                          const ffi::RemainingRets& optional_rets, size_t platform_rets,
+                          BackwardParams* p) {
   *p = BackwardParams{};
+  p->deterministic = attrs.deterministic;
   ForwardParams& f = p->fwd;
   BatchShape batch;
   JF_RETURN_IF_ERROR(BatchShapeOf("dq", dq->dimensions(), &batch));
@@ -318,8 +320,11 @@ Status MakeBackwardParams(const AttentionAttrs& attrs, ffi::AnyBuffer q, ffi::An
   JF_RETURN_IF_ERROR(Describe("dv", ViewOf(*dv), batch, {s.seqlen_k, s.num_kv_heads, s.head_dim},
                               InnerCheck::kExact, BatchCheck::kFull, &p->dv));
   JF_RETURN_IF_ERROR(CheckDtype("dv", p->dv, s.dtype));
-  if (optional_rets.size() != (attrs.has_bias ? 1u : 0u)) {
-    return Status::InvalidArgument("jax_flash: dbias must be returned exactly when bias is given");
+  if (optional_rets.size() != (attrs.has_bias ? 1u : 0u) + platform_rets) {
+    return Status::InvalidArgument(
+        "jax_flash: dbias must be returned exactly when bias is given (and this platform's "
+        "backward takes " + std::to_string(platform_rets) + " more results), got " +
+        std::to_string(optional_rets.size()) + " results after dv");
   }
   if (attrs.has_bias) {
     auto dbias = optional_rets.get<ffi::AnyBuffer>(0);

@@ -3,12 +3,13 @@
            signature shared by the CPU and CUDA handlers, and the translation of XLA buffers
            into ForwardParams/BackwardParams with full validation. Host compiler only.
 
-    Targets (same names and signatures on the "cpu" and "CUDA" platforms):
+    Targets (same names on the "cpu" and "CUDA" platforms):
       jax_flash_fwd(q, k, v, [bias], [mask], [q_seqlens], [kv_seqlens]) -> (out, lse)
       jax_flash_bwd(q, k, v, out, lse, dout, dlse, [bias], [mask], [q_seqlens], [kv_seqlens])
-                    -> (dq, dk, dv, [dbias])
+                    -> (dq, dk, dv, [dbias], platform results...)
     The bracketed operands are present in that order exactly when the matching has_* attribute
-    is true.
+    is true. The CUDA backward has one platform result: its workspace, uint8 of the size
+    jax_flash._extension.backward_workspace_bytes reports (XLA allocates it like a temporary).
 */
 #pragma once
 
@@ -31,6 +32,7 @@ struct AttentionAttrs {
   bool has_mask;
   bool has_q_seqlens;
   bool has_kv_seqlens;
+  bool deterministic;  //!< backward: bit-identical gradients across runs (forward: unused)
 };
 
 //! Appends the shared forward signature to a binding that already holds the platform context.
@@ -62,7 +64,7 @@ auto BindBackward(Binding binding) {
       .template Ret<ffi::AnyBuffer>()  // dq
       .template Ret<ffi::AnyBuffer>()  // dk
       .template Ret<ffi::AnyBuffer>()  // dv
-      .RemainingRets();                // [dbias]
+      .RemainingRets();                // [dbias], then the platform's own results
 }
 
 //! Validates every buffer against the attributes and fills the parameters; errors name the
@@ -77,7 +79,8 @@ Status MakeBackwardParams(const AttentionAttrs& attrs, ffi::AnyBuffer q, ffi::An
                           ffi::AnyBuffer dout, ffi::AnyBuffer dlse,
                           const ffi::RemainingArgs& optional_args, ffi::Result<ffi::AnyBuffer> dq,
                           ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                          const ffi::RemainingRets& optional_rets, BackwardParams* params);
+                          const ffi::RemainingRets& optional_rets, size_t platform_rets,
+                          BackwardParams* params);
 
 ffi::Error ToFfiError(const Status& status);
 
@@ -93,4 +96,5 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_flash::AttentionAttrs,
                                       ::xla::ffi::StructMember<bool>("has_bias"),
                                       ::xla::ffi::StructMember<bool>("has_mask"),
                                       ::xla::ffi::StructMember<bool>("has_q_seqlens"),
-                                      ::xla::ffi::StructMember<bool>("has_kv_seqlens"));
+                                      ::xla::ffi::StructMember<bool>("has_kv_seqlens"),
+                                      ::xla::ffi::StructMember<bool>("deterministic"));

@@ -36,7 +36,7 @@ ffi::Error BackwardCpu(ffi::ThreadPool pool, AttentionAttrs attrs, ffi::AnyBuffe
                        ffi::Result<ffi::AnyBuffer> dv, ffi::RemainingRets optional_rets) {
   BackwardParams params;
   Status status = MakeBackwardParams(attrs, q, k, v, out, lse, dout, dlse, optional_args, dq, dk,
-                                     dv, optional_rets, &params);
+                                     dv, optional_rets, /*platform_rets=*/0, &params);
   if (!status.ok()) return ToFfiError(status);
   XlaTaskRunner runner(std::move(pool));
   return ToFfiError(cpu::RunBackward(params, runner));

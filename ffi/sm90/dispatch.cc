@@ -1,37 +1,40 @@
 /*! \file dispatch.cc
-    \brief Picks the compiled Hopper forward configuration for a problem and checks what the
-           kernels require of it (host compiler; the configurations come from the table).
+    \brief Picks the compiled Hopper configuration for a problem and checks what the kernels
+           require of it (host compiler; the configurations and the operands each kernel takes
+           come from the generated table).
 */
 #include <cstdint>
 #include <string>
 
 #include "launch.h"
-#include "sm90_forward_tiles.h"
+#include "sm90_tiles.h"
 
 namespace jax_flash::sm90 {
 namespace {
 
 bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-Status CheckForward(const ForwardParams& p) {
+//! What both passes require of the problem and of the buffers they read and write.
+Status CheckProblem(const ForwardParams& p, const char* pass, bool takes_bias, bool takes_mask,
+                    int max_head_dim, std::initializer_list<const Operand*> tensors) {
   const AttentionShape& s = p.shape;
   if (s.dtype != ElementType::kBFloat16 && s.dtype != ElementType::kFloat16) {
     return Status::InvalidArgument(
         "jax_flash: the Hopper kernels take bfloat16 or float16 inputs, got dtype id " +
         std::to_string(static_cast<int>(s.dtype)));
   }
-  if (p.bias.present() || p.mask.present()) {
-    return Status::InvalidArgument(
-        "jax_flash: the Hopper forward kernel takes no bias or mask arrays (jax_flash routes "
-        "those calls to its blockwise path)");
+  if ((p.bias.present() && !takes_bias) || (p.mask.present() && !takes_mask)) {
+    return Status::InvalidArgument(std::string("jax_flash: the Hopper ") + pass +
+                                   " kernel takes no bias or mask arrays (jax_flash routes those "
+                                   "calls to its blockwise path)");
   }
-  if (s.head_dim % kForwardHeadDimMultiple != 0 || s.head_dim > kForwardMaxHeadDim) {
+  if (s.head_dim % kHeadDimMultiple != 0 || s.head_dim > max_head_dim) {
     return Status::InvalidArgument("jax_flash: head dim " + std::to_string(s.head_dim) +
-                                   " is not supported by the Hopper kernels (multiples of " +
-                                   std::to_string(kForwardHeadDimMultiple) + " up to " +
-                                   std::to_string(kForwardMaxHeadDim) + ")");
+                                   " is not supported by the Hopper " + pass +
+                                   " kernel (multiples of " + std::to_string(kHeadDimMultiple) +
+                                   " up to " + std::to_string(max_head_dim) + ")");
   }
-  for (const Operand* op : {&p.q, &p.k, &p.v, &p.out}) {
+  for (const Operand* op : tensors) {
     if (!Aligned16(op->data)) {
       return Status::InvalidArgument("jax_flash: the Hopper kernels need 16-byte aligned buffers");
     }
@@ -45,25 +48,93 @@ Status CheckForward(const ForwardParams& p) {
   return Status::Ok();
 }
 
+Status CheckBackward(const BackwardParams& p) {
+  const ForwardParams& f = p.fwd;
+  return CheckProblem(f, "backward", kBackwardTakesBias, kBackwardTakesMask, kBackwardMaxHeadDim,
+                      {&f.q, &f.k, &f.v, &f.out, &p.dout, &p.dq, &p.dk, &p.dv});
+}
+
 template <int kTileHeadDim>
-Status RunTileForDtype(const ForwardParams& p, const LaunchContext& context) {
+Status RunForwardForDtype(const ForwardParams& p, const LaunchContext& context) {
   return p.shape.dtype == ElementType::kBFloat16
              ? RunForwardTile<ElementType::kBFloat16, kTileHeadDim>(p, context)
              : RunForwardTile<ElementType::kFloat16, kTileHeadDim>(p, context);
 }
 
+template <int kTileHeadDim>
+Status RunBackwardForDtype(const BackwardParams& p, const BackwardWorkspaceLayout& layout,
+                           void* workspace, const LaunchContext& context) {
+  return p.fwd.shape.dtype == ElementType::kBFloat16
+             ? RunBackwardTile<ElementType::kBFloat16, kTileHeadDim>(p, layout, workspace, context)
+             : RunBackwardTile<ElementType::kFloat16, kTileHeadDim>(p, layout, workspace, context);
+}
+
+int64_t RoundUp256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+BackwardWorkspaceLayout MakeBackwardLayout(const AttentionShape& s, int64_t block_m,
+                                           int64_t tile_head_dim, bool deterministic) {
+  BackwardWorkspaceLayout layout;
+  const int64_t query_blocks = s.batch.count() * s.num_heads * ((s.seqlen_q + block_m - 1) / block_m);
+  int64_t offset = 0;
+  layout.dq_accum = offset;
+  offset += RoundUp256(query_blocks * block_m * tile_head_dim * int64_t(sizeof(float)));
+  if (deterministic) {
+    layout.dq_semaphore = offset;
+    offset += RoundUp256(query_blocks * int64_t(sizeof(int32_t)));
+  }
+  layout.zeroed_bytes = offset;
+  layout.lse_log2 = offset;
+  offset += RoundUp256(query_blocks * block_m * int64_t(sizeof(float)));
+  layout.row_term = offset;
+  offset += RoundUp256(query_blocks * block_m * int64_t(sizeof(float)));
+  layout.bytes = offset;
+  return layout;
+}
+
 }  // namespace
 
 Status RunForward(const ForwardParams& params, const LaunchContext& context) {
-  Status status = CheckForward(params);
+  Status status = CheckProblem(params, "forward", kForwardTakesBias, kForwardTakesMask,
+                               kForwardMaxHeadDim, {&params.q, &params.k, &params.v, &params.out});
   if (!status.ok()) return status;
   const int64_t head_dim = params.shape.head_dim;
   // Tiles are listed by ascending head dim: the first that covers the problem runs it.
-#define JAX_FLASH_TRY_TILE(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES) \
-  if (head_dim <= HEAD_DIM) return RunTileForDtype<HEAD_DIM>(params, context);
+#define JAX_FLASH_TRY_TILE(HEAD_DIM) \
+  if (head_dim <= HEAD_DIM) return RunForwardForDtype<HEAD_DIM>(params, context);
   JAX_FLASH_SM90_FORWARD_TILES(JAX_FLASH_TRY_TILE)
 #undef JAX_FLASH_TRY_TILE
-  return Status::Internal("jax_flash: no compiled Hopper tile covers head dim " +
+  return Status::Internal("jax_flash: no compiled Hopper forward tile covers head dim " +
+                          std::to_string(head_dim));
+}
+
+Status GetBackwardWorkspaceLayout(const BackwardParams& params, BackwardWorkspaceLayout* layout) {
+  Status status = CheckBackward(params);
+  if (!status.ok()) return status;
+  const AttentionShape& s = params.fwd.shape;
+#define JAX_FLASH_TRY_TILE(HEAD_DIM, BLOCK_M)                                     \
+  if (s.head_dim <= HEAD_DIM) {                                                   \
+    *layout = MakeBackwardLayout(s, BLOCK_M, HEAD_DIM, params.deterministic);     \
+    return Status::Ok();                                                          \
+  }
+  JAX_FLASH_SM90_BACKWARD_TILES(JAX_FLASH_TRY_TILE)
+#undef JAX_FLASH_TRY_TILE
+  return Status::Internal("jax_flash: no compiled Hopper backward tile covers head dim " +
+                          std::to_string(s.head_dim));
+}
+
+Status RunBackward(const BackwardParams& params, void* workspace, const LaunchContext& context) {
+  BackwardWorkspaceLayout layout;
+  Status status = GetBackwardWorkspaceLayout(params, &layout);
+  if (!status.ok()) return status;
+  if (layout.bytes > 0 && workspace == nullptr) {
+    return Status::Internal("jax_flash: the Hopper backward got no workspace");
+  }
+  const int64_t head_dim = params.fwd.shape.head_dim;
+#define JAX_FLASH_TRY_TILE(HEAD_DIM, BLOCK_M) \
+  if (head_dim <= HEAD_DIM) return RunBackwardForDtype<HEAD_DIM>(params, layout, workspace, context);
+  JAX_FLASH_SM90_BACKWARD_TILES(JAX_FLASH_TRY_TILE)
+#undef JAX_FLASH_TRY_TILE
+  return Status::Internal("jax_flash: no compiled Hopper backward tile covers head dim " +
                           std::to_string(head_dim));
 }
 

@@ -1,14 +1,15 @@
 /*! \file epilogue_fwd.h
-    \brief Forward epilogue: normalise O, write the log-sum-exp, and store the O tile through
-           shared memory (stmatrix) with one TMA store; the store clips rows past the sequence
-           and columns past the head dim.
+    \brief Forward epilogue collective: its arguments, parameters and shared storage (the output
+           tile, unless O is written over Q); normalises O, writes the log-sum-exp, and stores
+           the O tile through shared memory (stmatrix) with one TMA store, which clips rows past
+           the sequence and columns past the head dim.
 */
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
-#include "block_info.h"
+#include "mainloop_fwd.h"
 #include "named_barriers.h"
 #include "softmax.h"
 #include "utils.h"
@@ -21,27 +22,48 @@ template <class Traits>
 struct ForwardEpilogue {
   using Element = typename Traits::Element;
   using TileShapeQK = typename Traits::TileShapeQK;
-  using SharedStorage = typename Traits::SharedStorage;
-  using Info = BlockInfo<Traits::kBlockM, Traits::kBlockN>;
+  using TileInfo = typename ForwardMainloop<Traits>::TileInfo;
   static constexpr int kNumConsumerThreads = Traits::kNumConsumerThreads;
+
+  struct Arguments {
+    typename Traits::GmemTensorSeq o;  //!< full batch shape
+    float* lse;                        //!< (batch, heads, seqlen_q)
+  };
 
   struct Params {
     typename Traits::TmaStoreO tma_store_o;
     typename Traits::ShapeSeq shape_o;
-    float* lse;                //!< (batch, heads, seqlen_q)
+    float* lse;
   };
+
+  static Params to_params(Arguments const& args) {
+    Params params;
+    params.tma_store_o = make_tma_copy(SM90_TMA_STORE{}, args.o, typename Traits::SmemLayoutO{},
+                                       select<0, 2>(TileShapeQK{}), _1{});
+    params.shape_o = args.o.shape();
+    params.lse = args.lse;
+    return params;
+  }
+
+  //! The output tile, or nothing when the kernel hands the epilogue the query tile instead.
+  struct OutputTile {
+    cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutO>, 1024> o;
+  };
+  struct NoOutputTile {};
+  using SharedStorage = std::conditional_t<Traits::kOutputAliasesQuery, NoOutputTile, OutputTile>;
 
   CUTE_DEVICE static void prefetch_descriptors(Params const& params) {
     cute::prefetch_tma_descriptor(params.tma_store_o.get_tma_descriptor());
   }
 
-  //! Normalises and stores one tile. Every consumer thread calls it, for empty tiles too (tOrO
+  //! Normalises and stores one tile through `smem_o` (this collective's storage, or the query
+  //! tile when kOutputAliasesQuery). Every consumer thread calls it, for empty tiles too (tOrO
   //! is then zero and every row comes out as O = 0, lse = -inf). The caller's thread 0 issues
   //! the store, and with kOutputAliasesQuery it also waits for the store before returning,
   //! because the next tile's Q lands in the same shared memory.
   template <class TensorO>
-  CUTE_DEVICE static void store(Params const& params, ForwardProblem const& problem,
-                                SharedStorage& storage, Info const& info, int thread_idx,
+  CUTE_DEVICE static void store(Params const& params, AttentionProblem const& problem,
+                                Element* smem_o, TileInfo const& info, int thread_idx,
                                 TensorO& tOrO, OnlineSoftmax<2>& softmax) {
     typename Traits::TiledMmaPV mma_pv;
     auto thr_pv = mma_pv.get_thread_slice(thread_idx);
@@ -52,14 +74,14 @@ struct ForwardEpilogue {
     bool dead[2];
     float lse[2];
     CUTE_UNROLL
-    for (int r = 0; r < 2; ++r) dead[r] = info.m_start() + get<0>(rows(r, 0)) >= info.q_len;
+    for (int r = 0; r < 2; ++r) dead[r] = info.m_start() + get<0>(rows(r, 0)) >= info.lens.q_len;
     const auto inv_sum = softmax.finalize(dead, lse);
     Tensor o = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
     scale_rows(o, inv_sum);
 
     // One thread of each quad holds the row statistics.
     if (thread_idx % 4 == 0) {
-      float* lse_rows = params.lse + (info.out_batch * problem.num_heads + info.head) *
+      float* lse_rows = params.lse + (info.coord.batch * problem.num_heads + info.coord.head) *
                                          int64_t(problem.seqlen_q);
       CUTE_UNROLL
       for (int r = 0; r < 2; ++r) {
@@ -71,7 +93,7 @@ struct ForwardEpilogue {
     Tensor tOrO_out = make_tensor<Element>(tOrO.layout());
     convert_into(tOrO, tOrO_out);
 
-    Tensor sO = make_tensor(make_smem_ptr(storage.tensors.output()), typename Traits::SmemLayoutO{});
+    Tensor sO = make_tensor(make_smem_ptr(smem_o), typename Traits::SmemLayoutO{});
     if constexpr (!Traits::kOutputAliasesQuery) {
       // The previous tile's store must have finished reading the output tile.
       if (thread_idx == 0) tma_store_wait<0>();
@@ -87,8 +109,8 @@ struct ForwardEpilogue {
                                       static_cast<uint32_t>(ForwardBarrier::kOutputReady));
     if (thread_idx == 0) {
       Tensor mO = params.tma_store_o.get_tma_tensor(params.shape_o);
-      Tensor gO = local_tile(mO(_, _, info.head, info.out_batch), select<0, 2>(TileShapeQK{}),
-                             make_coord(info.m_block, _0{}));
+      Tensor gO = local_tile(mO(_, _, info.coord.head, info.coord.batch),
+                             select<0, 2>(TileShapeQK{}), make_coord(info.coord.block, _0{}));
       auto tma_o = params.tma_store_o.get_slice(_0{});
       copy(params.tma_store_o, tma_o.partition_S(sO), tma_o.partition_D(gO));
       tma_store_arrive();

@@ -1,6 +1,7 @@
 /*! \file handlers_cuda.cc
-    \brief The "CUDA" platform FFI handler of the forward pass: validate, build parameters,
-           launch the Hopper kernel on XLA's stream. Host compiler only.
+    \brief The "CUDA" platform FFI handlers of both passes: validate, build parameters, launch
+           the Hopper kernels on XLA's stream. The backward's workspace arrives as its last
+           result (allocated by XLA like a temporary). Host compiler only.
 */
 #include <cuda_runtime_api.h>
 
@@ -63,6 +64,36 @@ ffi::Error ForwardCuda(cudaStream_t stream, int32_t device, AttentionAttrs attrs
   return ToFfiError(status);
 }
 
+ffi::Error BackwardCuda(cudaStream_t stream, int32_t device, AttentionAttrs attrs, ffi::AnyBuffer q,
+                        ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
+                        ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::RemainingArgs optional_args,
+                        ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                        ffi::Result<ffi::AnyBuffer> dv, ffi::RemainingRets optional_rets) {
+  BackwardParams params;
+  Status status = MakeBackwardParams(attrs, q, k, v, out, lse, dout, dlse, optional_args, dq, dk,
+                                     dv, optional_rets, /*platform_rets=*/1, &params);
+  sm90::LaunchContext context;
+  if (status.ok()) status = GetLaunchContext(stream, device, &context);
+  sm90::BackwardWorkspaceLayout layout;
+  if (status.ok()) status = sm90::GetBackwardWorkspaceLayout(params, &layout);
+  void* workspace = nullptr;
+  if (status.ok()) {
+    // The workspace is the last result: XLA allocates it with the call's other buffers.
+    auto buffer = optional_rets.get<ffi::AnyBuffer>(optional_rets.size() - 1);
+    if (!buffer.has_value()) {
+      status = Status::InvalidArgument("jax_flash: cannot decode the backward workspace");
+    } else if (int64_t((*buffer)->size_bytes()) < layout.bytes) {
+      status = Status::InvalidArgument(
+          "jax_flash: the backward workspace has " + std::to_string((*buffer)->size_bytes()) +
+          " bytes, the Hopper backward needs " + std::to_string(layout.bytes));
+    } else {
+      workspace = (*buffer)->untyped_data();
+    }
+  }
+  if (status.ok()) status = sm90::RunBackward(params, workspace, context);
+  return ToFfiError(status);
+}
+
 }  // namespace
 }  // namespace jax_flash
 
@@ -70,3 +101,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashForwardCuda, jax_flash::ForwardCuda,
                               jax_flash::BindForward(xla::ffi::Ffi::Bind()
                                                          .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                                          .Ctx<xla::ffi::DeviceOrdinal>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBackwardCuda, jax_flash::BackwardCuda,
+                              jax_flash::BindBackward(xla::ffi::Ffi::Bind()
+                                                          .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                                          .Ctx<xla::ffi::DeviceOrdinal>()));

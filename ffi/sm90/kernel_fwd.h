@@ -1,7 +1,8 @@
 /*! \file kernel_fwd.h
-    \brief The warp-specialised, persistent Hopper forward kernel: barrier setup, register
-           reallocation between roles, and the per-tile loops of the producer (TMA) and the
-           consumer warpgroups (WGMMA + softmax + epilogue).
+    \brief The warp-specialised, persistent Hopper forward kernel: its shared storage (the
+           collectives' storage side by side), barrier setup, register reallocation between
+           roles, and the per-tile loops of the producer (TMA) and the consumer warpgroups
+           (WGMMA + softmax + epilogue).
 */
 #pragma once
 
@@ -10,9 +11,9 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
-#include "block_info.h"
 #include "epilogue_fwd.h"
 #include "mainloop_fwd.h"
+#include "seqlen.h"
 #include "tile_scheduler.h"
 
 namespace jax_flash::sm90 {
@@ -20,33 +21,54 @@ namespace jax_flash::sm90 {
 using namespace cute;
 
 template <class Traits>
-struct ForwardKernelParams {
-  typename ForwardMainloop<Traits>::Params mainloop;
-  typename ForwardEpilogue<Traits>::Params epilogue;
-  ForwardProblem problem;
-  TileSchedulerParams scheduler;
+struct ForwardKernel {
+  using Mainloop = ForwardMainloop<Traits>;
+  using Epilogue = ForwardEpilogue<Traits>;
+
+  struct Params {
+    typename Mainloop::Params mainloop;
+    typename Epilogue::Params epilogue;
+    AttentionProblem problem;
+    TileSchedulerParams scheduler;
+  };
+
+  struct StorageWithOutputTile {
+    typename Mainloop::SharedStorage mainloop;
+    typename Epilogue::SharedStorage epilogue;
+    CUTE_DEVICE typename Traits::Element* output_tile() { return epilogue.o.data(); }
+  };
+  struct StorageWithOutputOverQuery {
+    typename Mainloop::SharedStorage mainloop;
+    CUTE_DEVICE typename Traits::Element* output_tile() { return mainloop.q.data(); }
+  };
+  using SharedStorage = std::conditional_t<Traits::kOutputAliasesQuery, StorageWithOutputOverQuery,
+                                           StorageWithOutputTile>;
+  static constexpr int kSharedStorageBytes = sizeof(SharedStorage);
+  static_assert(kSharedStorageBytes <= Traits::kSmemBudget, "tile configuration exceeds shared memory");
 };
 
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
-    forward_kernel(CUTE_GRID_CONSTANT ForwardKernelParams<Traits> const params) {
-  using Mainloop = ForwardMainloop<Traits>;
-  using Epilogue = ForwardEpilogue<Traits>;
+    forward_kernel(CUTE_GRID_CONSTANT typename ForwardKernel<Traits>::Params const params) {
+  using Kernel = ForwardKernel<Traits>;
+  using Mainloop = typename Kernel::Mainloop;
+  using Epilogue = typename Kernel::Epilogue;
   using PipelineKV = typename Traits::PipelineKV;
   using PipelineState = typename Traits::PipelineState;
-  using Info = typename Mainloop::Info;
+  using TileInfo = typename Mainloop::TileInfo;
 
   extern __shared__ char shared_memory[];
-  auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(shared_memory);
+  auto& storage = *reinterpret_cast<typename Kernel::SharedStorage*>(shared_memory);
+  auto& mainloop_storage = storage.mainloop;
 
   const int warp_group = cutlass::canonical_warp_group_idx();
   const bool is_producer = warp_group == 0;
 
   if (threadIdx.x == 0) {
-    storage.barriers.q_full.init(/*arrive_count=*/1);
+    mainloop_storage.q_full.init(/*arrive_count=*/1);
     // Who frees Q: the thread that waited for the output store when O overwrites Q, else every
     // consumer thread once its last QK^T GEMM is complete.
-    storage.barriers.q_empty.init(Traits::kOutputAliasesQuery ? 1 : Traits::kNumConsumerThreads);
+    mainloop_storage.q_empty.init(Traits::kOutputAliasesQuery ? 1 : Traits::kNumConsumerThreads);
     Mainloop::prefetch_descriptors(params.mainloop);
     Epilogue::prefetch_descriptors(params.epilogue);
   }
@@ -56,8 +78,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
                                      : PipelineKV::ThreadCategory::Consumer;
   pipeline_params.is_leader = threadIdx.x == 0;
   pipeline_params.num_consumers = Traits::kNumConsumerThreads;
-  PipelineKV pipeline_k(storage.barriers.k, pipeline_params, Shape<_1, _1, _1>{});
-  PipelineKV pipeline_v(storage.barriers.v, pipeline_params, Shape<_1, _1, _1>{});
+  PipelineKV pipeline_k(mainloop_storage.pipeline_k, pipeline_params, Shape<_1, _1, _1>{});
+  PipelineKV pipeline_v(mainloop_storage.pipeline_v, pipeline_params, Shape<_1, _1, _1>{});
   __syncthreads();  // barrier initialisation visible to every thread
 
   StaticPersistentScheduler scheduler(params.scheduler);
@@ -67,16 +89,17 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     PipelineState write_state = cutlass::make_producer_start_state<PipelineKV>();
     uint32_t q_empty_phase = 1;  // the first wait on a fresh barrier passes
     for (; scheduler.valid(); scheduler.advance()) {
-      const Info info(params.problem, scheduler.coord());
-      storage.barriers.q_empty.wait(q_empty_phase);
+      const TileInfo info(params.problem, scheduler.coord());
+      mainloop_storage.q_empty.wait(q_empty_phase);
       q_empty_phase ^= 1;
       if (!info.empty()) {
-        Mainloop::load(params.mainloop, storage, pipeline_k, pipeline_v, write_state, info);
+        Mainloop::load(params.mainloop, params.problem, mainloop_storage, pipeline_k, pipeline_v,
+                       write_state, info);
       } else {
         // Nothing to load, but the Q handshake still takes its turn: consumers that freed Q
         // for several empty tiles in a row would otherwise complete q_empty phases the
         // producer has not waited for yet, and its parity wait would then never return.
-        storage.barriers.q_full.arrive();
+        mainloop_storage.q_full.arrive();
       }
     }
     pipeline_k.producer_tail(write_state);
@@ -89,26 +112,27 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     PipelineState read_state;
     uint32_t q_full_phase = 0;
     auto release_q = [&] {
-      if constexpr (!Traits::kOutputAliasesQuery) storage.barriers.q_empty.arrive();
+      if constexpr (!Traits::kOutputAliasesQuery) mainloop_storage.q_empty.arrive();
     };
     Mainloop::start_turns(consumer_warp_group);
     for (; scheduler.valid(); scheduler.advance()) {
-      const Info info(params.problem, scheduler.coord());
+      const TileInfo info(params.problem, scheduler.coord());
       Tensor tOrO = partition_fragment_C(mma_pv, select<0, 2>(typename Traits::TileShapeQK{}));
       clear(tOrO);
       OnlineSoftmax<2> softmax(params.mainloop.scale_log2);
       if (!info.empty()) {
-        Mainloop::mma(params.mainloop, params.problem, storage, pipeline_k, pipeline_v, read_state,
-                      q_full_phase, info, consumer_warp_group, thread_idx, tOrO, softmax,
-                      release_q);
+        Mainloop::mma(params.mainloop, params.problem, mainloop_storage, pipeline_k, pipeline_v,
+                      read_state, q_full_phase, info, consumer_warp_group, thread_idx, tOrO,
+                      softmax, release_q);
       } else {
-        storage.barriers.q_full.wait(q_full_phase);  // the producer's turn for this tile
+        mainloop_storage.q_full.wait(q_full_phase);  // the producer's turn for this tile
         release_q();
       }
       q_full_phase ^= 1;
-      Epilogue::store(params.epilogue, params.problem, storage, info, thread_idx, tOrO, softmax);
+      Epilogue::store(params.epilogue, params.problem, storage.output_tile(), info, thread_idx,
+                      tOrO, softmax);
       if constexpr (Traits::kOutputAliasesQuery) {
-        if (thread_idx == 0) storage.barriers.q_empty.arrive();
+        if (thread_idx == 0) mainloop_storage.q_empty.arrive();
       }
     }
     Mainloop::finish_turns(consumer_warp_group);

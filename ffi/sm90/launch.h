@@ -1,9 +1,11 @@
 /*! \file launch.h
     \brief Host entry points of the Hopper kernels. Plain C++ (no CuTe), so the FFI handlers are
            compiled by the host compiler; the kernel templates are instantiated in generated
-           translation units, one per (head dim tile, dtype).
+           translation units, one per (head dim tile, dtype, pass).
 */
 #pragma once
+
+#include <cstdint>
 
 #include <cuda_runtime_api.h>
 
@@ -20,12 +22,36 @@ struct LaunchContext {
   int l2_bytes = 0;
 };
 
+//! Byte offsets of the backward's workspace regions in one allocation. The fp32 dQ accumulator
+//! and, for a deterministic backward, the counters that order its additions come first: that
+//! prefix (zeroed_bytes) is cleared before each backward.
+struct BackwardWorkspaceLayout {
+  int64_t dq_accum = 0;       //!< (batch, heads, query blocks, block_m * tile head dim) fp32
+  int64_t dq_semaphore = -1;  //!< (batch, heads, query blocks) int32; -1 when not deterministic
+  int64_t lse_log2 = 0;       //!< (batch, heads, query blocks * block_m) fp32
+  int64_t row_term = 0;       //!< same shape
+  int64_t zeroed_bytes = 0;
+  int64_t bytes = 0;
+};
+
 //! Runs the forward on the smallest compiled tile whose head dim covers the problem's.
 //! Validates what the kernels require (dtype, head dim, alignment) and reports CUDA errors.
 Status RunForward(const ForwardParams& params, const LaunchContext& context);
 
-//! One compiled forward configuration; defined in launch_fwd.cuh, instantiated per tile.
+//! The workspace layout of the backward of `shape` (zero bytes where it has nothing to do).
+//! Fails like RunBackward for problems the Hopper backward does not take.
+Status GetBackwardWorkspaceLayout(const BackwardParams& params, BackwardWorkspaceLayout* layout);
+
+//! Runs the backward (preprocess, main kernel, dQ convert) on the smallest compiled tile whose
+//! head dim covers the problem's, with `workspace` of GetBackwardWorkspaceLayout's size.
+Status RunBackward(const BackwardParams& params, void* workspace, const LaunchContext& context);
+
+//! One compiled configuration of each pass; defined in launch_fwd.cuh / launch_bwd.cuh,
+//! instantiated per tile and dtype.
 template <ElementType kDtype, int kTileHeadDim>
 Status RunForwardTile(const ForwardParams& params, const LaunchContext& context);
+template <ElementType kDtype, int kTileHeadDim>
+Status RunBackwardTile(const BackwardParams& params, const BackwardWorkspaceLayout& layout,
+                       void* workspace, const LaunchContext& context);
 
 }  // namespace jax_flash::sm90

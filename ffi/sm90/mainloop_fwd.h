@@ -1,6 +1,7 @@
 /*! \file mainloop_fwd.h
-    \brief The forward mainloop of one tile: the producer's TMA loads of Q and of the K/V
-           pipeline, and the consumers' QK^T -> mask -> online softmax -> PV sequence.
+    \brief The forward mainloop collective: its arguments, parameters (TMA descriptors) and
+           shared storage; the producer's TMA loads of Q and of the K/V pipeline; the consumers'
+           QK^T -> mask -> online softmax -> PV sequence.
 
     Consumers overlap within a warpgroup: while the softmax of key block j runs, the wgmma of
     P_{j+1} V_{j+1} (issued just before) proceeds on the tensor cores. Across warpgroups they
@@ -13,10 +14,12 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
-#include "block_info.h"
+#include "block_range.h"
 #include "mask.h"
 #include "named_barriers.h"
+#include "seqlen.h"
 #include "softmax.h"
+#include "tile_scheduler.h"
 #include "utils.h"
 
 namespace jax_flash::sm90 {
@@ -27,18 +30,66 @@ template <class Traits>
 struct ForwardMainloop {
   using Element = typename Traits::Element;
   using TileShapeQK = typename Traits::TileShapeQK;
-  using SharedStorage = typename Traits::SharedStorage;
   using PipelineKV = typename Traits::PipelineKV;
   using PipelineState = typename Traits::PipelineState;
-  using Info = BlockInfo<Traits::kBlockM, Traits::kBlockN>;
+  using Range = BlockRange<Traits::kBlockM, Traits::kBlockN>;
   static constexpr int kNumConsumerWarpGroups = Traits::kNumConsumerWarpGroups;
+
+  struct Arguments {
+    typename Traits::GmemTensorSeq q, k, v;
+    DeviceBatchMap q_batch, k_batch, v_batch;  //!< own batch item of each operand
+    float scale_log2;                          //!< softmax scale times log2(e), > 0
+  };
 
   struct Params {
     typename Traits::TmaLoadQ tma_load_q;
     typename Traits::TmaLoadKV tma_load_k;
     typename Traits::TmaLoadKV tma_load_v;
     typename Traits::ShapeSeq shape_q, shape_k, shape_v;
+    DeviceBatchMap q_batch, k_batch, v_batch;
     float scale_log2;
+  };
+
+  static Params to_params(Arguments const& args) {
+    Params params;
+    params.tma_load_q = make_tma_copy(SM90_TMA_LOAD{}, args.q, typename Traits::SmemLayoutQ{},
+                                      select<0, 2>(TileShapeQK{}), _1{});
+    params.tma_load_k = make_tma_copy(SM90_TMA_LOAD{}, args.k,
+                                      take<0, 2>(typename Traits::SmemLayoutKV{}),
+                                      select<1, 2>(TileShapeQK{}), _1{});
+    params.tma_load_v = make_tma_copy(SM90_TMA_LOAD{}, args.v,
+                                      take<0, 2>(typename Traits::SmemLayoutKV{}),
+                                      select<1, 2>(TileShapeQK{}), _1{});
+    params.shape_q = args.q.shape();
+    params.shape_k = args.k.shape();
+    params.shape_v = args.v.shape();
+    params.q_batch = args.q_batch;
+    params.k_batch = args.k_batch;
+    params.v_batch = args.v_batch;
+    params.scale_log2 = args.scale_log2;
+    return params;
+  }
+
+  struct alignas(1024) SharedStorage {
+    cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutKV>, 1024> k;
+    cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutKV>, 1024> v;
+    cutlass::arch::ClusterTransactionBarrier q_full;
+    cutlass::arch::ClusterBarrier q_empty;
+    typename PipelineKV::SharedStorage pipeline_k;
+    typename PipelineKV::SharedStorage pipeline_v;
+  };
+
+  //! What producer and consumers know alike about one (query block, head, batch) tile.
+  struct TileInfo {
+    TileCoord coord;
+    SeqLengths lens;
+    BlockSpan keys;  //!< key blocks that may hold visible keys
+
+    CUTE_DEVICE TileInfo(AttentionProblem const& p, TileCoord const& c)
+        : coord(c), lens(p, c.batch), keys(Range::key_blocks(p, lens, c.block)) {}
+    CUTE_DEVICE bool empty() const { return keys.empty(); }
+    CUTE_DEVICE int32_t m_start() const { return coord.block * Traits::kBlockM; }
   };
 
   CUTE_DEVICE static void prefetch_descriptors(Params const& params) {
@@ -48,21 +99,27 @@ struct ForwardMainloop {
   }
 
   //! Producer (one thread): Q of the tile and every visible K/V block, into the pipelines.
-  CUTE_DEVICE static void load(Params const& params, SharedStorage& storage, PipelineKV& pipeline_k,
+  CUTE_DEVICE static void load(Params const& params, AttentionProblem const& problem,
+                               SharedStorage& storage, PipelineKV& pipeline_k,
                                PipelineKV& pipeline_v, PipelineState& write_state,
-                               Info const& info) {
-    Tensor sQ = make_tensor(make_smem_ptr(storage.tensors.q.data()), typename Traits::SmemLayoutQ{});
-    Tensor sK = make_tensor(make_smem_ptr(storage.tensors.k.data()), typename Traits::SmemLayoutKV{});
-    Tensor sV = make_tensor(make_smem_ptr(storage.tensors.v.data()), typename Traits::SmemLayoutKV{});
+                               TileInfo const& info) {
+    Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKV{});
+    Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutKV{});
 
     Tensor mQ = params.tma_load_q.get_tma_tensor(params.shape_q);
     Tensor mK = params.tma_load_k.get_tma_tensor(params.shape_k);
     Tensor mV = params.tma_load_v.get_tma_tensor(params.shape_v);
-    Tensor gQ = local_tile(mQ(_, _, info.head, info.q_batch), select<0, 2>(TileShapeQK{}),
-                           make_coord(info.m_block, _0{}));  // (M, D)
-    Tensor gK = local_tile(mK(_, _, info.kv_head, info.k_batch), select<1, 2>(TileShapeQK{}),
+    const int32_t head = info.coord.head;
+    const int32_t kv_head = head / problem.group_size;
+    const int32_t batch = info.coord.batch;
+    Tensor gQ = local_tile(mQ(_, _, head, params.q_batch(problem.batch, batch)),
+                           select<0, 2>(TileShapeQK{}), make_coord(info.coord.block, _0{}));  // (M, D)
+    Tensor gK = local_tile(mK(_, _, kv_head, params.k_batch(problem.batch, batch)),
+                           select<1, 2>(TileShapeQK{}),
                            make_coord(_, _0{}));  // (N, D, n)
-    Tensor gV = local_tile(mV(_, _, info.kv_head, info.v_batch), select<1, 2>(TileShapeQK{}),
+    Tensor gV = local_tile(mV(_, _, kv_head, params.v_batch(problem.batch, batch)),
+                           select<1, 2>(TileShapeQK{}),
                            make_coord(_, _0{}));  // (N, D, n)
 
     auto tma_q = params.tma_load_q.get_slice(_0{});
@@ -87,13 +144,13 @@ struct ForwardMainloop {
     };
 
     // The first K block goes out before Q so both latencies overlap.
-    int n_block = info.n_block_max - 1;
+    int n_block = info.keys.end - 1;
     load_k(n_block);
-    storage.barriers.q_full.arrive_and_expect_tx(Traits::kQBytes);
-    copy(params.tma_load_q.with(reinterpret_cast<uint64_t&>(storage.barriers.q_full), 0), tQgQ, tQsQ);
+    storage.q_full.arrive_and_expect_tx(Traits::kQBytes);
+    copy(params.tma_load_q.with(reinterpret_cast<uint64_t&>(storage.q_full), 0), tQgQ, tQsQ);
     load_v(n_block);
     ++write_state;
-    for (--n_block; n_block >= info.n_block_min; --n_block) {
+    for (--n_block; n_block >= info.keys.begin; --n_block) {
       load_k(n_block);
       load_v(n_block);
       ++write_state;
@@ -138,14 +195,14 @@ struct ForwardMainloop {
   //! V descriptors are sliced with it, so they live in uniform registers and not in the
   //! consumers' register budget (16 Q descriptors at head dim 256 made ptxas spill).
   template <class TensorO, class ReleaseQ>
-  CUTE_DEVICE static void mma(Params const& params, ForwardProblem const& problem,
+  CUTE_DEVICE static void mma(Params const& params, AttentionProblem const& problem,
                               SharedStorage& storage, PipelineKV& pipeline_k,
                               PipelineKV& pipeline_v, PipelineState& read_state, uint32_t q_phase,
-                              Info const& info, int warp_group, int thread_idx,
+                              TileInfo const& info, int warp_group, int thread_idx,
                               TensorO& tOrO, OnlineSoftmax<2>& softmax, ReleaseQ&& release_q) {
-    Tensor sQ = make_tensor(make_smem_ptr(storage.tensors.q.data()), typename Traits::SmemLayoutQ{});
-    Tensor sK = make_tensor(make_smem_ptr(storage.tensors.k.data()), typename Traits::SmemLayoutKV{});
-    Tensor sVt = make_tensor(make_smem_ptr(storage.tensors.v.data()), typename Traits::SmemLayoutVt{});
+    Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKV{});
+    Tensor sVt = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutVt{});
 
     typename Traits::TiledMmaQK mma_qk;
     typename Traits::TiledMmaPV mma_pv;
@@ -159,11 +216,12 @@ struct ForwardMainloop {
     Tensor tOrP = make_tensor<Element>(accumulator_as_a_operand(tSrS.layout()));
     Tensor s = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
     Tensor o = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
-    ForwardMask<Traits::kBlockM, Traits::kBlockN, typename Traits::TiledMmaQK> mask(thread_idx);
+    BlockMask<Traits::kBlockM, Traits::kBlockN, typename Traits::TiledMmaQK> mask(thread_idx);
+    const RowVisibility visibility = RowVisibility::of</*kRowsAreKeys=*/false>(problem, info.lens);
 
     auto mask_block = [&](int n_block) {
-      if (info.needs_mask(problem, n_block)) {
-        mask.apply(s, info, problem, n_block);
+      if (Range::needs_mask(problem, info.lens, info.coord.block, n_block)) {
+        mask.apply(s, visibility, info.m_start(), n_block * Traits::kBlockN);
       }
     };
     auto issue_qk = [&](PipelineState const& state) {
@@ -173,24 +231,24 @@ struct ForwardMainloop {
       warpgroup_gemm</*kZeroInit=*/false, /*kWaitGroups=*/-1>(mma_pv, tOrP, tOrV(_, _, _, state.index()), tOrO);
     };
 
-    storage.barriers.q_full.wait(q_phase);
+    storage.q_full.wait(q_phase);
 
     // First (last-visited) key block: S, mask, softmax without history.
-    int n_block = info.n_block_max - 1;
+    int n_block = info.keys.end - 1;
     pipeline_k.consumer_wait(read_state);
     wait_turn(warp_group);
     issue_qk(read_state);
     pass_turn(warp_group);
     warpgroup_wait<0>();
     pipeline_k.consumer_release(read_state);
-    if (n_block == info.n_block_min) release_q();
+    if (n_block == info.keys.begin) release_q();
     mask_block(n_block);
     softmax.template step</*kFirst=*/true>(s);
     convert_into(tSrS, tOrP);
     ++read_state;
 
     // Steady state: S_j and P_{j+1} V_{j+1} in flight together.
-    for (--n_block; n_block >= info.n_block_min; --n_block) {
+    for (--n_block; n_block >= info.keys.begin; --n_block) {
       pipeline_k.consumer_wait(read_state);
       wait_turn(warp_group);
       issue_qk(read_state);
@@ -200,7 +258,7 @@ struct ForwardMainloop {
       pass_turn(warp_group);
       warpgroup_wait<1>();  // S_j complete; P V may still run
       pipeline_k.consumer_release(read_state);
-      if (n_block == info.n_block_min) release_q();
+      if (n_block == info.keys.begin) release_q();
       mask_block(n_block);
       const auto rescale = softmax.template step</*kFirst=*/false>(s);
       warpgroup_wait<0>();  // P V complete: O may be rescaled and P overwritten

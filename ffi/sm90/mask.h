@@ -1,45 +1,65 @@
 /*! \file mask.h
-    \brief Per-element masking of one S = Q K^T block in registers: keys past the key length and
-           outside the window become -inf. Query rows past the query length are left alone; the
-           softmax finalisation zeroes them.
+    \brief Per-element masking of one logits block held in WGMMA accumulators, in either operand
+           orientation: rows are queries (forward, S = Q K^T) or keys (backward, S^T = K Q^T).
+           Invisible pairs become -inf, so their probabilities are exactly 0.
 */
 #pragma once
 
 #include <cute/tensor.hpp>
 
-#include "block_info.h"
+#include "seqlen.h"
 #include "utils.h"
 
 namespace jax_flash::sm90 {
 
 using namespace cute;
 
-template <int kBlockM, int kBlockN, class TiledMma>
-struct ForwardMask {
+//! The visibility rule of block_range.h seen from the rows of a block: column `col` of row
+//! `row` is visible iff row < row_limit, col < col_limit and, where bounded (>= 0),
+//! row - lower <= col <= row + upper. With keys as rows the two lengths and the two window
+//! sides swap roles.
+struct RowVisibility {
+  int32_t row_limit, col_limit;
+  int32_t lower, upper;  //!< -1: unbounded
+
+  template <bool kRowsAreKeys>
+  CUTE_DEVICE static RowVisibility of(AttentionProblem const& p, SeqLengths const& lens) {
+    if constexpr (kRowsAreKeys) {
+      return {lens.kv_len, lens.q_len, p.window_right, p.window_left};
+    } else {
+      return {lens.q_len, lens.kv_len, p.window_left, p.window_right};
+    }
+  }
+};
+
+template <int kRows, int kCols, class TiledMma>
+struct BlockMask {
   int thread_idx;
 
-  CUTE_DEVICE explicit ForwardMask(int thread_idx_) : thread_idx(thread_idx_) {}
+  CUTE_DEVICE explicit BlockMask(int thread_idx_) : thread_idx(thread_idx_) {}
 
-  //! Masks the rowcol view `s` of key block `n_block`.
+  //! Masks the rowcol view `s` of the block whose first row and column are row_start and
+  //! col_start.
   template <class TensorS>
-  CUTE_DEVICE void apply(TensorS& s, BlockInfo<kBlockM, kBlockN> const& info,
-                         ForwardProblem const& p, int n_block) const {
+  CUTE_DEVICE void apply(TensorS& s, RowVisibility const& vis, int row_start,
+                         int col_start) const {
     // Block-relative (row, col) of every element this thread holds; folds to constants plus
     // the thread's offset.
     auto tScS = TiledMma{}.get_thread_slice(thread_idx).partition_C(
-        make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+        make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
     auto coords = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
     // Bounds are taken relative to the thread's first column, so each comparison is against a
-    // compile-time column step: no register per column (which made head dim 64 spill).
+    // compile-time column step: no register per column.
     const int thread_col = get<1>(coords(0, 0));
-    const int col_offset = n_block * kBlockN + thread_col;
-    const int col_limit = info.kv_len - col_offset;  // columns >= this are past the keys
+    const int col_offset = col_start + thread_col;
+    const int col_limit = vis.col_limit - col_offset;  // columns >= this are past the limit
     CUTE_UNROLL
     for (int r = 0; r < size<0>(s); ++r) {
-      const int row = info.m_start() + get<0>(coords(r, 0));
-      int col_begin = -thread_col, col_end = col_limit;
-      if (p.window_right >= 0) col_end = min(col_end, row + p.window_right + 1 - col_offset);
-      if (p.window_left >= 0) col_begin = row - p.window_left - col_offset;
+      const int row = row_start + get<0>(coords(r, 0));
+      int col_begin = -thread_col;
+      int col_end = row < vis.row_limit ? col_limit : 0;  // a row past its limit sees nothing
+      if (vis.upper >= 0) col_end = min(col_end, row + vis.upper + 1 - col_offset);
+      if (vis.lower >= 0) col_begin = row - vis.lower - col_offset;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
         const int col_step = get<1>(coords(0, c)) - thread_col;  // a constant after folding

@@ -1,6 +1,6 @@
 /*! \file named_barriers.h
-    \brief Hardware named barriers used among the consumer warpgroups. IDs are offsets past the
-           ones CUTLASS reserves (cutlass::arch::NamedBarrier adds that offset).
+    \brief Hardware named barriers of the Hopper kernels. IDs are offsets past the ones CUTLASS
+           reserves (cutlass::arch::NamedBarrier adds that offset); each kernel has its own set.
 */
 #pragma once
 
@@ -12,6 +12,13 @@ enum class ForwardBarrier : uint32_t {
   kOutputReady = 0,       //!< all consumers wrote their O rows to shared memory
   kOutputFree = 1,        //!< the previous block's output store finished reading shared memory
   kWarpGroupTurnFirst = 2,  //!< + consumer warpgroup index: that warpgroup may issue its GEMMs
+};
+
+enum class BackwardBarrier : uint32_t {
+  kPdS = 0,            //!< MMA warpgroups: P^T / dS^T of this step are in shared memory
+  kDqEmptyFirst = 1,   //!< + MMA warpgroup: its dQ staging buffer may be written
+  kDqFullFirst = 3,    //!< + MMA warpgroup: its dQ staging buffer holds a partial sum
+  kEpilogue = 5,       //!< MMA warpgroups: done with K and V / dK and dV tiles written
 };
 
 }  // namespace jax_flash::sm90

@@ -1,6 +1,7 @@
 /*! \file utils.h
     \brief Small device helpers for the Hopper kernels: warpgroup GEMM issue, register layout
-           views of WGMMA accumulators, numeric conversion, quad reductions.
+           views of WGMMA accumulators, numeric conversion, quad reductions, bulk reductions
+           into global memory and the counters that order them.
 */
 #pragma once
 
@@ -94,6 +95,44 @@ template <class Op>
 CUTE_DEVICE float quad_allreduce(float x, Op op) {
   x = op(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return op(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+//! The index of the calling thread's warp within its warpgroup, in a form the compiler knows to
+//! be warp-uniform (so code selected by it stays uniform).
+CUTE_DEVICE int warp_index_in_warp_group() {
+  return __shfl_sync(0xffffffffu, (threadIdx.x / 32) % 4, 0);
+}
+
+//! Adds `bytes` of fp32 values from shared memory into global memory, elementwise, as one bulk
+//! asynchronous reduction in the current bulk group (TMA engine; the additions happen in L2).
+CUTE_DEVICE void bulk_reduce_add(float const* smem, float* gmem, int32_t bytes) {
+  const uint32_t smem_address = cute::cast_smem_ptr_to_uint(smem);
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               :
+               : "l"(gmem), "r"(smem_address), "r"(bytes)
+               : "memory");
+}
+
+//! Waits until at most kPending of this thread's committed bulk groups are still in flight, with
+//! their global writes complete (not only their shared-memory reads).
+template <int kPending>
+CUTE_DEVICE void bulk_wait_complete() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" : : "n"(kPending) : "memory");
+}
+
+//! Spins until the 32-bit counter at `counter` reads `value` (acquire, GPU scope).
+CUTE_DEVICE void wait_counter_equals(int const* counter, int value) {
+  int current;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(current) : "l"(counter) : "memory");
+  } while (current != value);
+}
+
+//! Increments the counter at `counter` (release, GPU scope): what this thread wrote before, its
+//! completed bulk reductions included, is visible to whoever reads the new value with acquire.
+CUTE_DEVICE void release_counter_increment(int* counter) {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" : : "l"(counter) : "memory");
 }
 
 struct MaxOp {

@@ -1,0 +1,91 @@
+/*! \file kernel_traits_fwd.h
+    \brief Compile-time description of one Hopper forward kernel: tile sizes (from the generated
+           configuration table), warp roles and register budgets, WGMMA types, shared-memory
+           layouts and TMA types. The collectives build their storage and parameters from it.
+*/
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "kernel_traits.h"
+#include "sm90_tiles.h"  // generated from jax_flash/kernel_configs.json
+
+namespace jax_flash::sm90 {
+
+using namespace cute;
+
+template <class Element_, int kHeadDim_>
+struct ForwardKernelTraits {
+  using Element = Element_;
+  using Tile = ForwardTileConfig<kHeadDim_>;
+
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = Tile::kBlockM;
+  static constexpr int kBlockN = Tile::kBlockN;
+  static constexpr int kStages = Tile::kStages;
+
+  // Warp roles: one producer warpgroup issuing TMA loads, one consumer warpgroup per 64 rows.
+  static constexpr int kNumConsumerWarpGroups = kBlockM / 64;
+  static constexpr int kNumConsumerThreads = kNumConsumerWarpGroups * kThreadsPerWarpGroup;
+  static constexpr int kNumThreads = kNumConsumerThreads + kThreadsPerWarpGroup;
+  static_assert(kBlockM % 64 == 0 && kNumConsumerWarpGroups >= 1 && kNumConsumerWarpGroups <= 3);
+
+  // setmaxnreg budgets. With three consumer warpgroups the producer takes 32, which leaves each
+  // consumer 160 (ptxas: no spills on either side); the 152 that any larger producer budget
+  // leaves made the head-dim-64 consumers spill and lose 18-31% of their speed (measured on
+  // H200). With two, 40 lets the producer run without spills and leaves the consumers 232.
+  static constexpr int kProducerRegisters = kNumConsumerWarpGroups >= 3 ? 32 : 40;
+  static constexpr int kConsumerRegisters = mma_registers(kNumConsumerThreads, kProducerRegisters);
+
+  // S = Q K^T from shared memory; O += P V with P in registers. Each consumer warpgroup owns
+  // 64 rows of the block.
+  using AtomLayoutMma = Layout<Shape<Int<kNumConsumerWarpGroups>, _1, _1>>;
+  using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+      AtomLayoutMma{}));
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      AtomLayoutMma{}));
+
+  // Shared memory: 128-byte swizzled K-major tiles for Q, K, V and O; V is read transposed
+  // (MN-major) by the second GEMM through a composed view.
+  using SmemLayoutAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                                   GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDim>>());
+  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutAtomKV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                                    GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>());
+  using SmemLayoutKV = decltype(tile_to_shape(
+      SmemLayoutAtomKV{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                                          Step<_2, _1, _3>{})));
+  using SmemLayoutO = SmemLayoutQ;
+
+  static constexpr int kQBytes = cosize_v<SmemLayoutQ> * sizeof(Element);
+  static constexpr int kKVStageBytes = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr int kKVBytes = cosize_v<SmemLayoutKV> * sizeof(Element);
+  static constexpr int kSmemBudget = 227 * 1024;
+  //! Without room for a separate output tile the epilogue writes O over Q (dead by then); the
+  //! next block's Q load then waits for the output store instead of the last QK^T GEMM.
+  static constexpr bool kOutputAliasesQuery = kQBytes + 2 * kKVBytes + kQBytes + 1024 > kSmemBudget;
+
+  using GmemTensorSeq = typename SequenceTensor<Element>::Type;
+  using ShapeSeq = typename SequenceTensor<Element>::Shape;
+  using TmaLoadQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorSeq{}, SmemLayoutQ{},
+                                          select<0, 2>(TileShapeQK{}), _1{}));
+  using TmaLoadKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorSeq{},
+                                           take<0, 2>(SmemLayoutKV{}), select<1, 2>(TileShapeQK{}),
+                                           _1{}));
+  using TmaStoreO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorSeq{}, SmemLayoutO{},
+                                           select<0, 2>(TileShapeQK{}), _1{}));
+
+  using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = cutlass::PipelineState<kStages>;
+};
+
+}  // namespace jax_flash::sm90

@@ -1,0 +1,158 @@
+/*! \file launch_bwd.cuh
+    \brief Definition of RunBackwardTile: carves the workspace, clears the dQ accumulator, and
+           launches the three backward kernels (row terms, main, dQ convert) with the
+           collectives' arguments for one compiled tile. Included only by the generated
+           instantiation units.
+*/
+#pragma once
+
+#include <algorithm>
+
+#include <cute/tensor.hpp>
+
+#include "kernel_bwd.h"
+#include "kernel_bwd_postprocess.h"
+#include "kernel_bwd_preprocess.h"
+#include "kernel_traits_bwd.h"
+#include "launch.h"
+#include "launch_common.cuh"
+
+namespace jax_flash::sm90 {
+
+//! log2 of the threads that share one row in the row-term kernel: enough for one 8-element
+//! vector each (a power of two, at most a warp).
+inline int preprocess_lanes_log2(int64_t head_dim) {
+  const int64_t vectors = (head_dim + 7) / 8;
+  int log2 = 0;
+  while ((int64_t(1) << log2) < vectors && log2 < 5) ++log2;
+  return log2;
+}
+
+template <class Traits>
+Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& layout,
+                       void* workspace, const LaunchContext& context) {
+  using Element = typename Traits::Element;
+  using Kernel = BackwardKernel<Traits>;
+  using Postprocess = BackwardPostprocess<Traits>;
+  const ForwardParams& f = p.fwd;
+  const AttentionShape& s = f.shape;
+  const int64_t batch_count = s.batch.count();
+  const int64_t num_m_blocks = (s.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  const int64_t num_n_blocks = (s.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  if (batch_count * s.num_heads * num_m_blocks == 0) return Status::Ok();
+  if (batch_count * s.num_heads * num_m_blocks > INT32_MAX) {
+    return Status::InvalidArgument("jax_flash: too many query blocks x heads x batch (" +
+                                   std::to_string(batch_count * s.num_heads * num_m_blocks) +
+                                   ") for the Hopper backward kernels");
+  }
+
+  typename Kernel::Params kp;
+  kp.problem = make_problem(f);
+  typename Kernel::Mainloop::Arguments mainloop;
+  BackwardPreprocessParams<Element> pre;
+  coalesce_batch(s.batch,
+                 {&f.q.batch, &f.k.batch, &f.v.batch, &p.dout.batch, &f.out.batch, &f.lse.batch,
+                  &p.dlse.batch, &f.q_seqlens.batch, &f.kv_seqlens.batch},
+                 &kp.problem.batch,
+                 {&mainloop.q_batch, &mainloop.k_batch, &mainloop.v_batch, &mainloop.dout_batch,
+                  &pre.out_batch, &pre.lse_batch, &pre.dlse_batch, &kp.problem.q_seqlens_batch,
+                  &kp.problem.kv_seqlens_batch});
+  pre.dout_batch = mainloop.dout_batch;
+
+  char* base = static_cast<char*>(workspace);
+  float* dq_accum = reinterpret_cast<float*>(base + layout.dq_accum);
+  float* lse_log2 = reinterpret_cast<float*>(base + layout.lse_log2);
+  float* row_term = reinterpret_cast<float*>(base + layout.row_term);
+  int* dq_semaphore = layout.dq_semaphore < 0 ? nullptr
+                                              : reinterpret_cast<int*>(base + layout.dq_semaphore);
+  cudaError_t err = cudaMemsetAsync(base, 0, size_t(layout.zeroed_bytes), context.stream);
+  if (err != cudaSuccess) {
+    return Status::Internal(std::string("jax_flash: clearing the backward workspace failed: ") +
+                            cudaGetErrorString(err));
+  }
+
+  // Row terms and base-2 log-sum-exp.
+  pre.out = static_cast<const Element*>(f.out.data);
+  pre.dout = static_cast<const Element*>(p.dout.data);
+  pre.lse = static_cast<const float*>(f.lse.data);
+  pre.dlse = static_cast<const float*>(p.dlse.data);
+  pre.out_item_stride = f.out.batch_stride;
+  pre.dout_item_stride = p.dout.batch_stride;
+  pre.lse_item_stride = f.lse.batch_stride;
+  pre.dlse_item_stride = p.dlse.batch_stride;
+  pre.batch = kp.problem.batch;
+  pre.seqlen_q = int32_t(s.seqlen_q);
+  pre.num_heads = int32_t(s.num_heads);
+  pre.head_dim = int32_t(s.head_dim);
+  pre.padded_rows = int32_t(num_m_blocks * Traits::kBlockM);
+  pre.lanes_per_row_log2 = preprocess_lanes_log2(s.head_dim);
+  pre.lse_log2 = lse_log2;
+  pre.row_term = row_term;
+  const int64_t rows_per_cta = kPreprocessThreads >> pre.lanes_per_row_log2;
+  const int64_t preprocess_ctas =
+      batch_count * s.num_heads * ((pre.padded_rows + rows_per_cta - 1) / rows_per_cta);
+  if (preprocess_ctas > INT32_MAX) {
+    return Status::InvalidArgument("jax_flash: too many query rows x heads x batch for the "
+                                   "Hopper backward kernels");
+  }
+  Status status = launch_kernel(backward_preprocess_kernel<Element>, int(preprocess_ctas),
+                                kPreprocessThreads, 0, pre, context, "backward preprocess");
+  if (!status.ok()) return status;
+
+  // The main kernel: one CTA per (key block, key/value head, batch).
+  mainloop.q = sequence_tensor<Element>(f.q, s.seqlen_q, s.num_heads, s.head_dim, s.batch);
+  mainloop.k = sequence_tensor<Element>(f.k, s.seqlen_k, s.num_kv_heads, s.head_dim, s.batch);
+  mainloop.v = sequence_tensor<Element>(f.v, s.seqlen_k, s.num_kv_heads, s.head_dim, s.batch);
+  mainloop.dout = sequence_tensor<Element>(p.dout, s.seqlen_q, s.num_heads, s.head_dim, s.batch);
+  mainloop.lse_log2 = lse_log2;
+  mainloop.row_term = row_term;
+  mainloop.dq_accum = dq_accum;
+  mainloop.dq_semaphore = dq_semaphore;
+  mainloop.num_m_blocks = int32_t(num_m_blocks);
+  mainloop.scale_log2 = kernel_scale(f) * kLog2e;
+  // A window bounded on one side only makes the key blocks at the other end see more queries:
+  // causal (bounded on the right) gives the first key blocks the most work, which the natural
+  // order already runs first. Every key block of a head reads all its queries' Q and dO.
+  const bool windowed = f.options.window_left >= 0 || f.options.window_right >= 0;
+  const bool reverse = f.options.window_left >= 0 && f.options.window_right < 0;
+  const int64_t qdo_bytes_per_head =
+      2 * s.seqlen_q * s.head_dim * int64_t(sizeof(Element)) * s.group_size();
+  status = make_schedule(num_n_blocks, s.num_kv_heads, s.num_kv_heads * batch_count,
+                         qdo_bytes_per_head, reverse, /*balance_sections=*/windowed, context,
+                         "backward", &kp.scheduler);
+  if (!status.ok()) return status;
+  mainloop.reverse_key_blocks = kp.scheduler.reverse_blocks;
+  kp.mainloop = Kernel::Mainloop::to_params(mainloop);
+  typename Kernel::Epilogue::Arguments epilogue;
+  epilogue.dk = sequence_tensor<Element>(p.dk, s.seqlen_k, s.num_kv_heads, s.head_dim, s.batch);
+  epilogue.dv = sequence_tensor<Element>(p.dv, s.seqlen_k, s.num_kv_heads, s.head_dim, s.batch);
+  epilogue.scale = kernel_scale(f);
+  kp.epilogue = Kernel::Epilogue::to_params(epilogue);
+  if (kp.scheduler.num_tiles > 0) {
+    status = launch_kernel(backward_kernel<Traits>, kp.scheduler.num_tiles, Traits::kNumThreads,
+                           Kernel::kSharedStorageBytes, kp, context, "backward");
+    if (!status.ok()) return status;
+  }
+
+  // dQ: scale, round, store.
+  typename Postprocess::Arguments post;
+  post.dq_accum = dq_accum;
+  post.dq = sequence_tensor<Element>(p.dq, s.seqlen_q, s.num_heads, s.head_dim, s.batch);
+  post.num_m_blocks = int32_t(num_m_blocks);
+  post.num_heads = int32_t(s.num_heads);
+  post.scale = kernel_scale(f);
+  return launch_kernel(backward_postprocess_kernel<Traits>,
+                       int(batch_count * s.num_heads * num_m_blocks), Postprocess::kNumThreads,
+                       Postprocess::kSharedStorageBytes, Postprocess::to_params(post), context,
+                       "backward dQ convert");
+}
+
+template <ElementType kDtype, int kTileHeadDim>
+Status RunBackwardTile(const BackwardParams& params, const BackwardWorkspaceLayout& layout,
+                       void* workspace, const LaunchContext& context) {
+  using Element = typename CutlassElement<kDtype>::type;
+  return launch_backward<BackwardKernelTraits<Element, kTileHeadDim>>(params, layout, workspace,
+                                                                      context);
+}
+
+}  // namespace jax_flash::sm90

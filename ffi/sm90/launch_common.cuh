@@ -1,0 +1,153 @@
+/*! \file launch_common.cuh
+    \brief Host-side pieces every Hopper launch shares: the device's view of the batch axes,
+           global tensors of BTNH operands read in place, the scheduler's head sections, and
+           the kernel launch with its error report. Included only by launch_*.cuh.
+*/
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include <cute/tensor.hpp>
+
+#include "kernel_traits.h"
+#include "launch.h"
+#include "seqlen.h"
+#include "tile_scheduler.h"
+
+namespace jax_flash::sm90 {
+
+//! Number of distinct batch items an operand holds (it may broadcast some batch axes).
+inline int64_t own_batch_items(const BatchShape& shape, const BatchMap& map) {
+  int64_t items = 1;
+  for (int i = 0; i < shape.rank; ++i) {
+    if (map.stride[i] != 0) items = std::max(items, map.stride[i] * shape.extent[i]);
+  }
+  return items;
+}
+
+//! Coalesces the problem's batch axes for the device: drops extent-1 axes and merges adjacent
+//! axes that every operand either broadcasts or holds contiguously. The flat batch index is
+//! unchanged (row-major over the remaining axes), so results land where the host expects.
+template <size_t kOperands>
+void coalesce_batch(const BatchShape& shape, const BatchMap* const (&maps)[kOperands],
+                    DeviceBatch* device, DeviceBatchMap* const (&device_maps)[kOperands]) {
+  struct Axis {
+    int64_t extent;
+    int64_t stride[kOperands];
+  };
+  Axis axes[kMaxBatchRank];
+  int count = 0;
+  for (int i = shape.rank - 1; i >= 0; --i) {  // innermost first
+    if (shape.extent[i] == 1) continue;
+    bool merge = count > 0;
+    for (size_t op = 0; merge && op < kOperands; ++op) {
+      const int64_t outer = maps[op]->stride[i], inner = axes[count - 1].stride[op];
+      merge = (outer == 0 && inner == 0) ||
+              (outer != 0 && inner != 0 && outer == inner * axes[count - 1].extent);
+    }
+    if (merge) {
+      axes[count - 1].extent *= shape.extent[i];
+    } else {
+      axes[count].extent = shape.extent[i];
+      for (size_t op = 0; op < kOperands; ++op) axes[count].stride[op] = maps[op]->stride[i];
+      ++count;
+    }
+  }
+  device->rank = count;
+  for (int a = 0; a < count; ++a) {  // back to outermost first
+    const Axis& axis = axes[count - 1 - a];
+    device->extent[a] = int32_t(axis.extent);
+    for (size_t op = 0; op < kOperands; ++op) device_maps[op]->stride[a] = int32_t(axis.stride[op]);
+  }
+}
+
+//! The problem's sizes and visibility rule; the batch axes are filled by coalesce_batch.
+inline AttentionProblem make_problem(const ForwardParams& p) {
+  const AttentionShape& s = p.shape;
+  AttentionProblem problem;
+  problem.seqlen_q = int32_t(s.seqlen_q);
+  problem.seqlen_k = int32_t(s.seqlen_k);
+  problem.num_heads = int32_t(s.num_heads);
+  problem.group_size = int32_t(s.group_size());
+  problem.window_left = int32_t(p.options.window_left);
+  problem.window_right = int32_t(p.options.window_right);
+  problem.q_seqlens = static_cast<const int32_t*>(p.q_seqlens.data);
+  problem.kv_seqlens = static_cast<const int32_t*>(p.kv_seqlens.data);
+  return problem;
+}
+
+//! Global tensor (sequence, head dim, heads, batch items) of a BTNH operand read in place; its
+//! batch items are those the operand holds (broadcast axes excluded).
+template <class Element>
+auto sequence_tensor(const Operand& op, int64_t seqlen, int64_t heads, int64_t head_dim,
+                     const BatchShape& batch) {
+  using Seq = SequenceTensor<Element>;
+  auto shape = typename Seq::Shape(int32_t(seqlen), int32_t(head_dim), int32_t(heads),
+                                   int32_t(own_batch_items(batch, op.batch)));
+  auto stride = typename Seq::Stride(heads * head_dim, _1{}, head_dim, op.batch_stride);
+  return make_tensor(make_gmem_ptr(static_cast<Element const*>(op.data)), shape, stride);
+}
+
+//! The scale as the kernels use it: positive scale is guaranteed by the Python layer; a zero
+//! scale is taken as the smallest normal float, which gives the same (uniform) probabilities
+//! without a -inf * 0.
+inline float kernel_scale(const ForwardParams& p) {
+  return std::max(static_cast<float>(p.options.scale), 1.17549435e-38f);
+}
+inline constexpr float kLog2e = 1.44269504088896340736f;
+
+//! Fills the scheduler's tile walk over `num_blocks` blocks of `num_heads_total` heads. Heads
+//! per section: as many as keep `bytes_per_head` of operands that all blocks of a head read
+//! within half of L2 (the rest serves the streamed operands).
+inline Status make_schedule(int64_t num_blocks, int64_t num_heads, int64_t num_heads_total,
+                            int64_t bytes_per_head, bool reverse_blocks, bool balance_sections,
+                            const LaunchContext& context, const char* kernel_name,
+                            TileSchedulerParams* sched) {
+  const int64_t num_tiles = num_heads_total * num_blocks;
+  if (num_tiles > INT32_MAX - 2 * int64_t(context.sm_count)) {
+    return Status::InvalidArgument(std::string("jax_flash: too many blocks x heads x batch (") +
+                                   std::to_string(num_tiles) + ") for the Hopper " +
+                                   kernel_name + " kernel");
+  }
+  sched->num_blocks = int32_t(num_blocks);
+  sched->num_heads = int32_t(num_heads);
+  sched->num_heads_total = int32_t(num_heads_total);
+  sched->num_tiles = int32_t(num_tiles);
+  sched->reverse_blocks = reverse_blocks;
+  int64_t heads_per_section = (int64_t(context.l2_bytes) / 2) / std::max<int64_t>(bytes_per_head, 1);
+  if (balance_sections) {
+    // Longest first balances the CTAs only over a section several rounds long: one shorter than
+    // a round deals the long blocks to the same CTAs round after round. Sections may therefore
+    // grow past L2 up to a quarter of the grid in heads: a round then still runs four or more
+    // CTAs per head side by side, on blocks of about the same length, reading the same data
+    // together.
+    heads_per_section = std::max<int64_t>(heads_per_section, context.sm_count / 4);
+  }
+  sched->heads_per_section = int32_t(std::clamp<int64_t>(heads_per_section, 1, num_heads_total));
+  return Status::Ok();
+}
+
+//! Raises the kernel's dynamic shared memory limit and launches it on the context's stream.
+template <class Kernel, class Params>
+Status launch_kernel(Kernel kernel, int grid, int threads, int smem_bytes, const Params& params,
+                     const LaunchContext& context, const char* kernel_name) {
+  cudaError_t err = cudaSuccess;
+  if (smem_bytes > 48 * 1024) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  }
+  if (err == cudaSuccess) {
+    kernel<<<grid, threads, smem_bytes, context.stream>>>(params);
+    err = cudaGetLastError();
+  }
+  if (err != cudaSuccess) {
+    return Status::Internal(std::string("jax_flash: Hopper ") + kernel_name +
+                            " launch failed: " + cudaGetErrorString(err));
+  }
+  return Status::Ok();
+}
+
+}  // namespace jax_flash::sm90

@@ -1,0 +1,471 @@
+/*! \file mainloop_bwd.h
+    \brief The backward mainloop collective: its arguments, parameters (TMA descriptors) and
+           shared storage; the producer's loads (K and V once, then Q with its log-sum-exp and
+           dO with its row term, block after block, through two TMA pipelines); the reduction
+           of the dQ partial sums into global memory; and the MMA warpgroups' step per query
+           block: S^T and dP^T, P^T from the saved log-sum-exp, dS^T, then dV += P^T dO,
+           dQ = dS K and dK += dS^T Q.
+
+    One CTA owns one key block of one key/value head: K and V stay in shared memory and dK, dV
+    in registers while the CTA walks every query block that sees the key block, for each query
+    head of the group in turn, so grouped heads need no atomics for dK/dV. Every CTA adds its dQ
+    partial sums into an fp32 accumulator in global memory with bulk reductions issued by a
+    producer warp; when dq_semaphore is set, the CTAs of a query block add in a fixed order.
+*/
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "block_range.h"
+#include "mask.h"
+#include "named_barriers.h"
+#include "seqlen.h"
+#include "tile_scheduler.h"
+#include "utils.h"
+
+namespace jax_flash::sm90 {
+
+using namespace cute;
+
+template <class Traits>
+struct BackwardMainloop {
+  using Element = typename Traits::Element;
+  using PipelineQ = typename Traits::PipelineQ;
+  using PipelineDo = typename Traits::PipelineDo;
+  using StateQ = cutlass::PipelineState<Traits::kStagesQ>;
+  using StateDo = cutlass::PipelineState<Traits::kStagesDo>;
+  using Range = BlockRange<Traits::kBlockM, Traits::kBlockN>;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kNumMmaWarpGroups = Traits::kNumMmaWarpGroups;
+  static constexpr int kNumMmaThreads = Traits::kNumMmaThreads;
+  static constexpr int kDqSlices = Traits::kDqSlices;
+  static constexpr int kDqUnitFloats = Traits::kDqUnitFloats;
+  //! Threads that meet at a dQ staging barrier: one MMA warpgroup and the reducing warp.
+  static constexpr int kDqBarrierThreads = kThreadsPerWarpGroup + 32;
+
+  struct Arguments {
+    typename Traits::GmemTensorSeq q, k, v, dout;
+    DeviceBatchMap q_batch, k_batch, v_batch, dout_batch;  //!< own batch item of each operand
+    const float* lse_log2;  //!< (batch, heads, padded rows): lse * log2(e), +inf for empty rows
+    const float* row_term;  //!< (batch, heads, padded rows): rowsum(dO * O) - dlse
+    float* dq_accum;        //!< (batch, heads, query blocks, kDqBlockFloats), zeroed
+    int* dq_semaphore;      //!< (batch, heads, query blocks), zeroed; nullptr: unordered adds
+    bool reverse_key_blocks;  //!< the scheduler launches a head's key blocks last to first
+    int32_t num_m_blocks;
+    float scale_log2;  //!< softmax scale times log2(e), > 0
+  };
+
+  struct Params {
+    typename Traits::TmaLoadQdO tma_load_q, tma_load_do;
+    typename Traits::TmaLoadK tma_load_k;
+    typename Traits::TmaLoadV tma_load_v;
+    typename Traits::ShapeSeq shape_q, shape_k, shape_v, shape_do;
+    DeviceBatchMap q_batch, k_batch, v_batch, dout_batch;
+    const float* lse_log2;
+    const float* row_term;
+    float* dq_accum;
+    int* dq_semaphore;
+    bool reverse_key_blocks;
+    int32_t num_m_blocks;
+    float scale_log2;
+  };
+
+  static Params to_params(Arguments const& args) {
+    using QdOTile = Shape<Int<kBlockM>, Int<kHeadDim>>;
+    using KVTile = Shape<Int<kBlockN>, Int<kHeadDim>>;
+    Params params;
+    params.tma_load_q = make_tma_copy(SM90_TMA_LOAD{}, args.q,
+                                      take<0, 2>(typename Traits::SmemLayoutQ{}), QdOTile{}, _1{});
+    params.tma_load_do = make_tma_copy(SM90_TMA_LOAD{}, args.dout,
+                                       take<0, 2>(typename Traits::SmemLayoutDo{}), QdOTile{}, _1{});
+    params.tma_load_k = make_tma_copy(SM90_TMA_LOAD{}, args.k, typename Traits::SmemLayoutK{},
+                                      KVTile{}, _1{});
+    params.tma_load_v = make_tma_copy(SM90_TMA_LOAD{}, args.v, typename Traits::SmemLayoutV{},
+                                      KVTile{}, _1{});
+    params.shape_q = args.q.shape();
+    params.shape_k = args.k.shape();
+    params.shape_v = args.v.shape();
+    params.shape_do = args.dout.shape();
+    params.q_batch = args.q_batch;
+    params.k_batch = args.k_batch;
+    params.v_batch = args.v_batch;
+    params.dout_batch = args.dout_batch;
+    params.lse_log2 = args.lse_log2;
+    params.row_term = args.row_term;
+    params.dq_accum = args.dq_accum;
+    params.dq_semaphore = args.dq_semaphore;
+    params.reverse_key_blocks = args.reverse_key_blocks;
+    params.num_m_blocks = args.num_m_blocks;
+    params.scale_log2 = args.scale_log2;
+    return params;
+  }
+
+  CUTE_DEVICE static void prefetch_descriptors(Params const& params) {
+    cute::prefetch_tma_descriptor(params.tma_load_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_load_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_load_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_load_v.get_tma_descriptor());
+  }
+
+  struct TensorsWithP {
+    cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutPdS>, 1024> p;
+  };
+  struct TensorsWithoutP {};
+
+  struct alignas(1024) SharedStorage {
+    cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutK>, 1024> k;
+    cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutV>, 1024> v;
+    cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutDo>, 1024> dout;
+    cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutPdS>, 1024> ds;
+    std::conditional_t<Traits::kDkvFromRegisters, TensorsWithoutP, TensorsWithP> p_tile;
+    cute::array_aligned<float, kNumMmaWarpGroups * kDqUnitFloats, 128> dq;
+    cute::array_aligned<float, kBlockM * Traits::kStagesQ, 128> lse;
+    cute::array_aligned<float, kBlockM * Traits::kStagesDo, 128> row_term;
+    cutlass::arch::ClusterTransactionBarrier kv_full;
+    typename PipelineQ::SharedStorage pipeline_q;
+    typename PipelineDo::SharedStorage pipeline_do;
+  };
+
+  //! What every role knows alike about one (key block, key/value head, batch) tile.
+  struct TileInfo {
+    TileCoord coord;  //!< block: key block; head: key/value head
+    SeqLengths lens;
+    BlockSpan queries;  //!< query blocks that see some key of the block
+
+    CUTE_DEVICE TileInfo(AttentionProblem const& p, TileCoord const& c)
+        : coord(c), lens(p, c.batch), queries(Range::query_blocks(p, lens, c.block)) {}
+    CUTE_DEVICE bool empty() const { return queries.empty(); }
+    CUTE_DEVICE int32_t n_start() const { return coord.block * kBlockN; }
+  };
+
+  //! Offset of (batch, query head)'s rows in the per-row workspace arrays.
+  CUTE_DEVICE static int64_t row_offset(Params const& params, AttentionProblem const& problem,
+                                        int32_t batch, int32_t head) {
+    return (int64_t(batch) * problem.num_heads + head) * params.num_m_blocks * kBlockM;
+  }
+
+  //! Producer (one thread): K and V of the tile, then Q and dO with their row statistics for
+  //! every query block of every query head of the group.
+  CUTE_DEVICE static void load(Params const& params, AttentionProblem const& problem,
+                               SharedStorage& storage, PipelineQ& pipeline_q,
+                               PipelineDo& pipeline_do, StateQ& write_q, StateDo& write_do,
+                               TileInfo const& info) {
+    Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sDo = make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutDo{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutV{});
+    Tensor mQ = params.tma_load_q.get_tma_tensor(params.shape_q);
+    Tensor mDo = params.tma_load_do.get_tma_tensor(params.shape_do);
+    Tensor mK = params.tma_load_k.get_tma_tensor(params.shape_k);
+    Tensor mV = params.tma_load_v.get_tma_tensor(params.shape_v);
+    const int32_t batch = info.coord.batch;
+    const int32_t kv_head = info.coord.head;
+    using KVTile = Shape<Int<kBlockN>, Int<kHeadDim>>;
+    using QdOTile = Shape<Int<kBlockM>, Int<kHeadDim>>;
+    Tensor gK = local_tile(mK(_, _, kv_head, params.k_batch(problem.batch, batch)), KVTile{},
+                           make_coord(info.coord.block, _0{}));
+    Tensor gV = local_tile(mV(_, _, kv_head, params.v_batch(problem.batch, batch)), KVTile{},
+                           make_coord(info.coord.block, _0{}));
+    auto tma_k = params.tma_load_k.get_slice(_0{});
+    auto tma_v = params.tma_load_v.get_slice(_0{});
+    storage.kv_full.arrive_and_expect_tx(2 * Traits::kKVBytes);
+    copy(params.tma_load_k.with(reinterpret_cast<uint64_t&>(storage.kv_full), 0),
+         tma_k.partition_S(gK), tma_k.partition_D(sK));
+    copy(params.tma_load_v.with(reinterpret_cast<uint64_t&>(storage.kv_full), 0),
+         tma_v.partition_S(gV), tma_v.partition_D(sV));
+
+    auto tma_q = params.tma_load_q.get_slice(_0{});
+    auto tma_do = params.tma_load_do.get_slice(_0{});
+    Tensor tQsQ = group_modes<0, 3>(tma_q.partition_D(sQ));     // (TMA, stage)
+    Tensor tDOsDO = group_modes<0, 3>(tma_do.partition_D(sDo));  // (TMA, stage)
+    const int32_t q_item = params.q_batch(problem.batch, batch);
+    const int32_t do_item = params.dout_batch(problem.batch, batch);
+    for (int32_t g = 0; g < problem.group_size; ++g) {
+      const int32_t head = kv_head * problem.group_size + g;
+      Tensor tQgQ = group_modes<0, 3>(tma_q.partition_S(
+          local_tile(mQ(_, _, head, q_item), QdOTile{}, make_coord(_, _0{}))));  // (TMA, m)
+      Tensor tDOgDO = group_modes<0, 3>(tma_do.partition_S(
+          local_tile(mDo(_, _, head, do_item), QdOTile{}, make_coord(_, _0{}))));
+      const int64_t rows = row_offset(params, problem, batch, head);
+      // Not unrolled: the producer has few registers.
+      CUTE_NO_UNROLL
+      for (int32_t m_block = info.queries.begin; m_block < info.queries.end; ++m_block) {
+        pipeline_q.producer_acquire(write_q);
+        uint64_t* q_barrier = pipeline_q.producer_get_barrier(write_q);
+        copy(params.tma_load_q.with(*q_barrier, 0), tQgQ(_, m_block), tQsQ(_, write_q.index()));
+        SM90_BULK_COPY_G2S::copy(params.lse_log2 + rows + m_block * kBlockM, q_barrier,
+                                 storage.lse.data() + write_q.index() * kBlockM,
+                                 Traits::kRowStatBytes);
+        ++write_q;
+        pipeline_do.producer_acquire(write_do);
+        uint64_t* do_barrier = pipeline_do.producer_get_barrier(write_do);
+        copy(params.tma_load_do.with(*do_barrier, 0), tDOgDO(_, m_block),
+             tDOsDO(_, write_do.index()));
+        SM90_BULK_COPY_G2S::copy(params.row_term + rows + m_block * kBlockM, do_barrier,
+                                 storage.row_term.data() + write_do.index() * kBlockM,
+                                 Traits::kRowStatBytes);
+        ++write_do;
+      }
+    }
+  }
+
+  //! The reducing warp: adds each staged dQ unit into the global accumulator as one bulk
+  //! reduction, then frees the staging buffer. With dq_semaphore, the key blocks that see a
+  //! query block add in launch order: each waits for its turn and, once its additions are
+  //! complete in global memory, passes it on.
+  CUTE_DEVICE static void reduce_dq(Params const& params, AttentionProblem const& problem,
+                                    SharedStorage& storage, TileInfo const& info) {
+    const bool leader = cute::elect_one_sync();
+    const int32_t batch = info.coord.batch;
+    for (int32_t g = 0; g < problem.group_size; ++g) {
+      const int32_t head = info.coord.head * problem.group_size + g;
+      const int64_t head_blocks = (int64_t(batch) * problem.num_heads + head) * params.num_m_blocks;
+      CUTE_NO_UNROLL
+      for (int32_t m_block = info.queries.begin; m_block < info.queries.end; ++m_block) {
+        float* accum = params.dq_accum + (head_blocks + m_block) * Traits::kDqBlockFloats;
+        int* semaphore = params.dq_semaphore == nullptr ? nullptr
+                                                        : params.dq_semaphore + head_blocks + m_block;
+        if (semaphore != nullptr && leader) {
+          const BlockSpan keys = Range::key_blocks(problem, info.lens, m_block);
+          const int turn = params.reverse_key_blocks ? keys.end - 1 - info.coord.block
+                                                     : info.coord.block - keys.begin;
+          wait_counter_equals(semaphore, turn);
+          asm volatile("fence.proxy.async.global;\n" ::: "memory");
+        }
+        __syncwarp();
+        CUTE_UNROLL
+        for (int slice = 0; slice < kDqSlices; ++slice) {
+          CUTE_UNROLL
+          for (int wg = 0; wg < kNumMmaWarpGroups; ++wg) {
+            cutlass::arch::NamedBarrier::sync(
+                kDqBarrierThreads, static_cast<uint32_t>(BackwardBarrier::kDqFullFirst) + wg);
+            if (leader) {
+              bulk_reduce_add(storage.dq.data() + wg * kDqUnitFloats,
+                              accum + (slice * kNumMmaWarpGroups + wg) * kDqUnitFloats,
+                              kDqUnitFloats * int32_t(sizeof(float)));
+              tma_store_arrive();  // commits the bulk group
+            }
+          }
+          // Each staging buffer is free once its reduction has read it.
+          for_each(make_int_sequence<kNumMmaWarpGroups>{}, [&](auto wg) {
+            if (leader) tma_store_wait<kNumMmaWarpGroups - 1 - decltype(wg)::value>();
+            __syncwarp();
+            cutlass::arch::NamedBarrier::arrive(
+                kDqBarrierThreads, static_cast<uint32_t>(BackwardBarrier::kDqEmptyFirst) + wg);
+          });
+        }
+        if (semaphore != nullptr && leader) {
+          bulk_wait_complete<0>();
+          release_counter_increment(semaphore);
+        }
+        __syncwarp();
+      }
+    }
+  }
+
+  //! Before the first step: both staging buffers start out free.
+  CUTE_DEVICE static void free_dq_staging() {
+    CUTE_UNROLL
+    for (int wg = 0; wg < kNumMmaWarpGroups; ++wg) {
+      cutlass::arch::NamedBarrier::arrive(
+          kDqBarrierThreads, static_cast<uint32_t>(BackwardBarrier::kDqEmptyFirst) + wg);
+    }
+  }
+
+  //! MMA warpgroups: accumulates dK (unscaled) and dV of a non-empty tile over every query block
+  //! of every query head of the group. `warp_group` must be warp-uniform in a form the compiler
+  //! sees (the shared-memory descriptors are sliced with it).
+  template <class FragmentDkv>
+  CUTE_DEVICE static void mma(Params const& params, AttentionProblem const& problem,
+                              SharedStorage& storage, PipelineQ& pipeline_q,
+                              PipelineDo& pipeline_do, StateQ& read_q, StateDo& read_do,
+                              TileInfo const& info, int warp_group, int thread_idx,
+                              FragmentDkv& tdKrdK, FragmentDkv& tdVrdV) {
+    using TiledMmaSdP = typename Traits::TiledMmaSdP;
+    using TiledMmaDkv = typename Traits::TiledMmaDkv;
+    using TiledMmaDq = typename Traits::TiledMmaDq;
+    using ShapeSt = Shape<Int<kBlockN>, Int<kBlockM>>;  // S^T: (keys, queries)
+    Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sQt = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQt{});
+    Tensor sDo = make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutDo{});
+    Tensor sDot = make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutDot{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sKt = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKt{});
+    Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutV{});
+    Tensor sDs = make_tensor(make_smem_ptr(storage.ds.data()), typename Traits::SmemLayoutPdS{});
+    Tensor sDsT = make_tensor(make_smem_ptr(storage.ds.data()),
+                              typename Traits::SmemLayoutDsTransposed{});
+
+    TiledMmaSdP mma_sdp;
+    TiledMmaDkv mma_dkv;
+    TiledMmaDq mma_dq;
+    // Shared-memory operands depend only on the warpgroup (one descriptor for its 128 threads).
+    auto wg_sdp = mma_sdp.get_thread_slice(warp_group * kThreadsPerWarpGroup);
+    auto wg_dkv = mma_dkv.get_thread_slice(warp_group * kThreadsPerWarpGroup);
+    auto wg_dq = mma_dq.get_thread_slice(warp_group * kThreadsPerWarpGroup);
+    Tensor tSrK = wg_sdp.partition_fragment_A(sK);       // (MMA, MMA_M, MMA_K)
+    Tensor tSrQ = wg_sdp.partition_fragment_B(sQ);       // (MMA, MMA_N, MMA_K, stage)
+    Tensor tdPrV = wg_sdp.partition_fragment_A(sV);
+    Tensor tdPrDo = wg_sdp.partition_fragment_B(sDo);
+    Tensor tdVrDo = wg_dkv.partition_fragment_B(sDot);   // (MMA, MMA_N, MMA_K, stage)
+    Tensor tdKrQ = wg_dkv.partition_fragment_B(sQt);
+    Tensor tdQrDs = wg_dq.partition_fragment_A(sDsT);    // (MMA, MMA_M, MMA_K, stage)
+
+    // P^T and dS^T leave their accumulators for shared memory with stmatrix.
+    auto smem_copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_sdp);
+    auto thr_copy_pds = smem_copy_pds.get_thread_slice(thread_idx);
+    Tensor tdSsdS = thr_copy_pds.partition_D(sDs);  // (CPY, CPY_M, CPY_N, stage)
+
+    // The query column, relative to the block, of each S^T element this thread holds.
+    Tensor cSt = mma_sdp.get_thread_slice(thread_idx).partition_C(make_identity_tensor(ShapeSt{}));
+    Tensor columns = make_tensor(cSt.data(), accumulator_rowcol(cSt.layout()));
+    constexpr int kColumns = decltype(size<1>(columns))::value;
+
+    BlockMask<kBlockN, kBlockM, TiledMmaSdP> mask(thread_idx);
+    const RowVisibility visibility = RowVisibility::of</*kRowsAreKeys=*/true>(problem, info.lens);
+    const float scale_log2 = params.scale_log2;
+
+    // Each warpgroup writes its dQ unit to its staging buffer in register order: thread-minor
+    // groups of 4 registers, so a warp's stores cover 512 contiguous bytes.
+    auto stage_dq = [&](auto const& tdQrdQ) {
+      const int lane = thread_idx % kThreadsPerWarpGroup;
+      cutlass::arch::NamedBarrier::sync(
+          kDqBarrierThreads, static_cast<uint32_t>(BackwardBarrier::kDqEmptyFirst) + warp_group);
+      float4* unit = reinterpret_cast<float4*>(storage.dq.data() + warp_group * kDqUnitFloats);
+      CUTE_UNROLL
+      for (int i = 0; i < size(tdQrdQ) / 4; ++i) {
+        unit[i * kThreadsPerWarpGroup + lane] =
+            make_float4(tdQrdQ(4 * i), tdQrdQ(4 * i + 1), tdQrdQ(4 * i + 2), tdQrdQ(4 * i + 3));
+      }
+      // Generic-proxy writes must be visible to the bulk copy (async proxy) that reads them.
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::arrive(
+          kDqBarrierThreads, static_cast<uint32_t>(BackwardBarrier::kDqFullFirst) + warp_group);
+    };
+    auto sync_pds = [&] {
+      cutlass::arch::NamedBarrier::sync(kNumMmaThreads, static_cast<uint32_t>(BackwardBarrier::kPdS));
+    };
+    // dQ of one head-dim slice: dS (queries, keys) times K (keys, slice).
+    auto issue_dq = [&](auto slice, int ds_stage, auto& tdQrdQ) {
+      Tensor sKt_slice = local_tile(sKt, Shape<Int<Traits::kDqSliceDim>, Int<kBlockN>>{},
+                                    make_coord(decltype(slice)::value, _0{}));
+      Tensor tdQrK = wg_dq.partition_fragment_B(sKt_slice);
+      warpgroup_gemm</*kZeroInit=*/true, /*kWaitGroups=*/-1>(mma_dq, tdQrDs(_, _, _, ds_stage),
+                                                             tdQrK, tdQrdQ);
+    };
+
+    int ds_stage = 0;
+    auto step = [&](int32_t m_block) {
+      // S^T = K Q^T and dP^T = V dO^T, back to back.
+      Tensor tSrS = partition_fragment_C(mma_sdp, ShapeSt{});
+      Tensor tdPrdP = partition_fragment_C(mma_sdp, ShapeSt{});
+      pipeline_q.consumer_wait(read_q);
+      warpgroup_gemm</*kZeroInit=*/true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, read_q.index()), tSrS);
+      pipeline_do.consumer_wait(read_do);
+      warpgroup_gemm</*kZeroInit=*/true, -1>(mma_sdp, tdPrV, tdPrDo(_, _, _, read_do.index()),
+                                             tdPrdP);
+      warpgroup_wait<1>();  // S^T complete; dP^T may still run
+
+      // P^T = exp2(S^T * scale * log2(e) - lse * log2(e)), from the saved log-sum-exp.
+      Tensor s = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
+      if (Range::needs_mask(problem, info.lens, m_block, info.coord.block)) {
+        mask.apply(s, visibility, info.n_start(), m_block * kBlockM);
+      }
+      float const* lse = storage.lse.data() + read_q.index() * kBlockM;
+      float lse_column[kColumns];
+      CUTE_UNROLL
+      for (int c = 0; c < kColumns; ++c) lse_column[c] = lse[get<1>(columns(0, c))];
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(s); ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < kColumns; ++c) s(r, c) = fast_exp2(fmaf(s(r, c), scale_log2, -lse_column[c]));
+      }
+      // P^T in the input type: the A operand of dV, from registers or through shared memory.
+      Tensor tdVrP = make_tensor<Element>(accumulator_as_a_operand(tSrS.layout()));
+      convert_into(tSrS, tdVrP);
+      if constexpr (!Traits::kDkvFromRegisters) {
+        // Every warpgroup must be done with the previous step's P^T and dS^T.
+        if constexpr (Traits::kStagesDs == 1) sync_pds();
+        Tensor sPt = make_tensor(make_smem_ptr(storage.p_tile.p.data()),
+                                 typename Traits::SmemLayoutPdS{});
+        Tensor rP = make_tensor(tdVrP.data(), tSrS.layout());
+        copy(smem_copy_pds, thr_copy_pds.retile_S(rP), thr_copy_pds.partition_D(sPt)(_, _, _, ds_stage));
+      }
+
+      // dS^T = P^T * (dP^T - D), D = rowsum(dO * O) - dlse per query.
+      warpgroup_wait<0>();
+      Tensor dp = make_tensor(tdPrdP.data(), accumulator_rowcol(tdPrdP.layout()));
+      float const* row_term = storage.row_term.data() + read_do.index() * kBlockM;
+      float d_column[kColumns];
+      CUTE_UNROLL
+      for (int c = 0; c < kColumns; ++c) d_column[c] = row_term[get<1>(columns(0, c))];
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(dp); ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < kColumns; ++c) dp(r, c) = s(r, c) * (dp(r, c) - d_column[c]);
+      }
+      Tensor tdKrdS = make_tensor<Element>(accumulator_as_a_operand(tdPrdP.layout()));
+      convert_into(tdPrdP, tdKrdS);
+
+      // dV += P^T dO.
+      if constexpr (Traits::kDkvFromRegisters) {
+        warpgroup_gemm</*kZeroInit=*/false, -1>(mma_dkv, tdVrP, tdVrDo(_, _, _, read_do.index()),
+                                                tdVrdV);
+      } else {
+        cutlass::arch::fence_view_async_shared();
+        sync_pds();  // P^T of both warpgroups in shared memory
+        Tensor sPt = make_tensor(make_smem_ptr(storage.p_tile.p.data()),
+                                 typename Traits::SmemLayoutPdS{});
+        Tensor tdVrPt = wg_dkv.partition_fragment_A(sPt);
+        warpgroup_gemm</*kZeroInit=*/false, -1>(mma_dkv, tdVrPt(_, _, _, ds_stage),
+                                                tdVrDo(_, _, _, read_do.index()), tdVrdV);
+      }
+      // dS^T to shared memory for dQ (and for dK when it does not come from registers).
+      Tensor rdS = make_tensor(tdKrdS.data(), tdPrdP.layout());
+      copy(smem_copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, ds_stage));
+      cutlass::arch::fence_view_async_shared();
+      sync_pds();
+
+      // dQ of the first slice, then dK += dS^T Q while it runs.
+      Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<Traits::kDqSliceDim>>{});
+      issue_dq(_0{}, ds_stage, tdQrdQ);
+      warpgroup_wait<1>();  // dV complete: dO and its row term are no longer read
+      pipeline_do.consumer_release(read_do);
+      if constexpr (Traits::kDkvFromRegisters) {
+        warpgroup_gemm</*kZeroInit=*/false, -1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read_q.index()),
+                                                tdKrdK);
+      } else {
+        Tensor tdKrDs = wg_dkv.partition_fragment_A(sDs);
+        warpgroup_gemm</*kZeroInit=*/false, -1>(mma_dkv, tdKrDs(_, _, _, ds_stage),
+                                                tdKrQ(_, _, _, read_q.index()), tdKrdK);
+      }
+      warpgroup_wait<1>();  // the first dQ slice complete
+      stage_dq(tdQrdQ);
+      for_each(make_int_range<1, kDqSlices>{}, [&](auto slice) {
+        issue_dq(slice, ds_stage, tdQrdQ);
+        warpgroup_wait<0>();
+        stage_dq(tdQrdQ);
+      });
+      warpgroup_wait<0>();  // dK complete: Q and its log-sum-exp are no longer read
+      pipeline_q.consumer_release(read_q);
+      ++read_q;
+      ++read_do;
+      ds_stage = Traits::kStagesDs == 1 ? 0 : (ds_stage + 1) % Traits::kStagesDs;
+    };
+
+    storage.kv_full.wait(0);
+    for (int32_t g = 0; g < problem.group_size; ++g) {
+      CUTE_NO_UNROLL
+      for (int32_t m_block = info.queries.begin; m_block < info.queries.end; ++m_block) {
+        step(m_block);
+      }
+    }
+  }
+};
+
+}  // namespace jax_flash::sm90

@@ -1,0 +1,72 @@
+/*! \file seqlen.h
+    \brief Sequence and batch mapping shared by the forward and backward kernels: the problem's
+           runtime scalars, how a flat batch index reaches each operand's own batch items (vmap
+           broadcasting), and the query/key lengths of one batch item.
+*/
+#pragma once
+
+#include <cstdint>
+
+#include <cute/config.hpp>
+
+#include "../common/attention_params.h"
+
+namespace jax_flash::sm90 {
+
+//! Batch axes as the device walks them: coalesced on the host (axes of extent 1 dropped,
+//! adjacent axes that every operand maps alike merged), so usually one axis, and 32-bit.
+struct DeviceBatch {
+  int32_t rank = 0;
+  int32_t extent[kMaxBatchRank] = {};
+};
+
+//! Per operand: stride of each device batch axis in that operand's own batch items (0 where
+//! the operand broadcasts the axis).
+struct DeviceBatchMap {
+  int32_t stride[kMaxBatchRank] = {};
+
+  CUTE_HOST_DEVICE int32_t operator()(DeviceBatch const& batch, int32_t b) const {
+    if (batch.rank <= 1) return b * stride[0];
+    int32_t own = 0;
+    for (int i = batch.rank - 1; i >= 0; --i) {
+      own += (b % batch.extent[i]) * stride[i];
+      b /= batch.extent[i];
+    }
+    return own;
+  }
+};
+
+//! The runtime scalars of an attention problem that every pass needs: sizes, the visibility
+//! rule (window; causal is window_right == 0) and the optional per-item lengths.
+struct AttentionProblem {
+  int32_t seqlen_q = 0;
+  int32_t seqlen_k = 0;
+  int32_t num_heads = 0;
+  int32_t group_size = 1;     //!< query heads per key/value head
+  int32_t window_left = -1;   //!< -1: unbounded
+  int32_t window_right = -1;  //!< -1: unbounded
+  DeviceBatch batch;
+  DeviceBatchMap q_seqlens_batch, kv_seqlens_batch;
+  const int32_t* q_seqlens = nullptr;
+  const int32_t* kv_seqlens = nullptr;
+};
+
+//! Query and key lengths of one batch item: query rows at or past q_len are padding, keys at or
+//! past kv_len are masked. Both are clamped to the problem's extents.
+struct SeqLengths {
+  int32_t q_len;
+  int32_t kv_len;
+
+  CUTE_DEVICE SeqLengths(AttentionProblem const& p, int32_t batch) {
+    q_len = p.seqlen_q;
+    if (p.q_seqlens != nullptr) {
+      q_len = max(0, min(p.seqlen_q, p.q_seqlens[p.q_seqlens_batch(p.batch, batch)]));
+    }
+    kv_len = p.seqlen_k;
+    if (p.kv_seqlens != nullptr) {
+      kv_len = max(0, min(p.seqlen_k, p.kv_seqlens[p.kv_seqlens_batch(p.batch, batch)]));
+    }
+  }
+};
+
+}  // namespace jax_flash::sm90
