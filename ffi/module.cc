@@ -57,8 +57,8 @@ nb::dict BuildInfo() {
 }
 
 #if defined(JAX_FLASH_WITH_CUDA)
-//! Bytes of device workspace the Hopper backward takes from XLA's scratch allocator for a
-//! problem of these sizes (query rows, query heads, head dim over `batch` items).
+//! Bytes of the workspace result the Hopper backward takes for a problem of these sizes (query
+//! rows, query heads, head dim over `batch` items).
 int64_t BackwardWorkspaceBytes(int64_t batch, int64_t seqlen_q, int64_t num_heads,
                                int64_t head_dim, bool bfloat16, bool deterministic) {
   jax_flash::BackwardParams params;
@@ -90,6 +90,6 @@ NB_MODULE(_jax_flash_ext, m) {
   m.def("backward_workspace_bytes", &BackwardWorkspaceBytes, nb::arg("batch"),
         nb::arg("seqlen_q"), nb::arg("num_heads"), nb::arg("head_dim"), nb::arg("bfloat16"),
         nb::arg("deterministic"),
-        "Bytes of device workspace the Hopper backward takes from XLA for these sizes.");
+        "Bytes of the Hopper backward's workspace result for these sizes.");
 #endif
 }

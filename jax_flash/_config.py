@@ -60,7 +60,6 @@ def _kernel(entry: dict, tile_type) -> Kernel:
 
 
 CPU_DTYPES = tuple(_dtype(d) for d in _TABLE["cpu"]["dtypes"])
-CPU_FEATURES = frozenset(_TABLE["cpu"]["features"])
 GPU_DTYPES = tuple(_dtype(d) for d in _TABLE["sm90"]["dtypes"])
 GPU_HEAD_DIM_MULTIPLE: int = _TABLE["sm90"]["head_dim_multiple"]
 SM90_FORWARD = _kernel(_TABLE["sm90"]["forward"], Sm90ForwardTile)

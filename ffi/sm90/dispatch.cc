@@ -122,10 +122,8 @@ Status GetBackwardWorkspaceLayout(const BackwardParams& params, BackwardWorkspac
                           std::to_string(s.head_dim));
 }
 
-Status RunBackward(const BackwardParams& params, void* workspace, const LaunchContext& context) {
-  BackwardWorkspaceLayout layout;
-  Status status = GetBackwardWorkspaceLayout(params, &layout);
-  if (!status.ok()) return status;
+Status RunBackward(const BackwardParams& params, const BackwardWorkspaceLayout& layout,
+                   void* workspace, const LaunchContext& context) {
   if (layout.bytes > 0 && workspace == nullptr) {
     return Status::Internal("jax_flash: the Hopper backward got no workspace");
   }

@@ -90,7 +90,7 @@ ffi::Error BackwardCuda(cudaStream_t stream, int32_t device, AttentionAttrs attr
       workspace = (*buffer)->untyped_data();
     }
   }
-  if (status.ok()) status = sm90::RunBackward(params, workspace, context);
+  if (status.ok()) status = sm90::RunBackward(params, layout, workspace, context);
   return ToFfiError(status);
 }
 

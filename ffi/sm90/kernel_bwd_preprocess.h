@@ -14,6 +14,7 @@
 #include <cutlass/numeric_conversion.h>
 
 #include "seqlen.h"
+#include "utils.h"
 
 namespace jax_flash::sm90 {
 
@@ -74,7 +75,6 @@ __global__ void __launch_bounds__(kPreprocessThreads)
       const int64_t stat = int64_t(head) * p.seqlen_q + row;
       const float lse = p.lse[p.lse_batch(p.batch, batch) * p.lse_item_stride + stat];
       const float dlse = p.dlse[p.dlse_batch(p.batch, batch) * p.dlse_item_stride + stat];
-      constexpr float kLog2e = 1.44269504088896340736f;
       lse_log2 = lse == -INFINITY ? INFINITY : lse * kLog2e;
       term = dot - dlse;
     }

@@ -43,8 +43,10 @@ Status RunForward(const ForwardParams& params, const LaunchContext& context);
 Status GetBackwardWorkspaceLayout(const BackwardParams& params, BackwardWorkspaceLayout* layout);
 
 //! Runs the backward (preprocess, main kernel, dQ convert) on the smallest compiled tile whose
-//! head dim covers the problem's, with `workspace` of GetBackwardWorkspaceLayout's size.
-Status RunBackward(const BackwardParams& params, void* workspace, const LaunchContext& context);
+//! head dim covers the problem's. `layout` comes from GetBackwardWorkspaceLayout (which also
+//! validated the problem), `workspace` has its size.
+Status RunBackward(const BackwardParams& params, const BackwardWorkspaceLayout& layout,
+                   void* workspace, const LaunchContext& context);
 
 //! One compiled configuration of each pass; defined in launch_fwd.cuh / launch_bwd.cuh,
 //! instantiated per tile and dtype.

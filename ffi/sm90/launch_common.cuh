@@ -98,7 +98,6 @@ auto sequence_tensor(const Operand& op, int64_t seqlen, int64_t heads, int64_t h
 inline float kernel_scale(const ForwardParams& p) {
   return std::max(static_cast<float>(p.options.scale), 1.17549435e-38f);
 }
-inline constexpr float kLog2e = 1.44269504088896340736f;
 
 //! Fills the scheduler's tile walk over `num_blocks` blocks of `num_heads_total` heads. Heads
 //! per section: as many as keep `bytes_per_head` of operands that all blocks of a head read

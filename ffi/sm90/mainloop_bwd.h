@@ -143,10 +143,11 @@ struct BackwardMainloop {
     CUTE_DEVICE int32_t n_start() const { return coord.block * kBlockN; }
   };
 
-  //! Offset of (batch, query head)'s rows in the per-row workspace arrays.
-  CUTE_DEVICE static int64_t row_offset(Params const& params, AttentionProblem const& problem,
-                                        int32_t batch, int32_t head) {
-    return (int64_t(batch) * problem.num_heads + head) * params.num_m_blocks * kBlockM;
+  //! Index of (batch, query head)'s first query block in the workspace arrays (row statistics
+  //! have kBlockM entries per query block, the dQ accumulator kDqBlockFloats).
+  CUTE_DEVICE static int64_t first_query_block(Params const& params, AttentionProblem const& problem,
+                                               int32_t batch, int32_t head) {
+    return (int64_t(batch) * problem.num_heads + head) * params.num_m_blocks;
   }
 
   //! Producer (one thread): K and V of the tile, then Q and dO with their row statistics for
@@ -191,7 +192,7 @@ struct BackwardMainloop {
           local_tile(mQ(_, _, head, q_item), QdOTile{}, make_coord(_, _0{}))));  // (TMA, m)
       Tensor tDOgDO = group_modes<0, 3>(tma_do.partition_S(
           local_tile(mDo(_, _, head, do_item), QdOTile{}, make_coord(_, _0{}))));
-      const int64_t rows = row_offset(params, problem, batch, head);
+      const int64_t rows = first_query_block(params, problem, batch, head) * kBlockM;
       // Not unrolled: the producer has few registers.
       CUTE_NO_UNROLL
       for (int32_t m_block = info.queries.begin; m_block < info.queries.end; ++m_block) {
@@ -224,7 +225,7 @@ struct BackwardMainloop {
     const int32_t batch = info.coord.batch;
     for (int32_t g = 0; g < problem.group_size; ++g) {
       const int32_t head = info.coord.head * problem.group_size + g;
-      const int64_t head_blocks = (int64_t(batch) * problem.num_heads + head) * params.num_m_blocks;
+      const int64_t head_blocks = first_query_block(params, problem, batch, head);
       CUTE_NO_UNROLL
       for (int32_t m_block = info.queries.begin; m_block < info.queries.end; ++m_block) {
         float* accum = params.dq_accum + (head_blocks + m_block) * Traits::kDqBlockFloats;
@@ -325,6 +326,13 @@ struct BackwardMainloop {
     Tensor cSt = mma_sdp.get_thread_slice(thread_idx).partition_C(make_identity_tensor(ShapeSt{}));
     Tensor columns = make_tensor(cSt.data(), accumulator_rowcol(cSt.layout()));
     constexpr int kColumns = decltype(size<1>(columns))::value;
+    // A per-query statistic of the step (lse, D) for each column this thread holds.
+    auto column_values = [&](float const* per_query) {
+      cute::array<float, kColumns> values;
+      CUTE_UNROLL
+      for (int c = 0; c < kColumns; ++c) values[c] = per_query[get<1>(columns(0, c))];
+      return values;
+    };
 
     BlockMask<kBlockN, kBlockM, TiledMmaSdP> mask(thread_idx);
     const RowVisibility visibility = RowVisibility::of</*kRowsAreKeys=*/true>(problem, info.lens);
@@ -376,10 +384,7 @@ struct BackwardMainloop {
       if (Range::needs_mask(problem, info.lens, m_block, info.coord.block)) {
         mask.apply(s, visibility, info.n_start(), m_block * kBlockM);
       }
-      float const* lse = storage.lse.data() + read_q.index() * kBlockM;
-      float lse_column[kColumns];
-      CUTE_UNROLL
-      for (int c = 0; c < kColumns; ++c) lse_column[c] = lse[get<1>(columns(0, c))];
+      const auto lse_column = column_values(storage.lse.data() + read_q.index() * kBlockM);
       CUTE_UNROLL
       for (int r = 0; r < size<0>(s); ++r) {
         CUTE_UNROLL
@@ -400,10 +405,7 @@ struct BackwardMainloop {
       // dS^T = P^T * (dP^T - D), D = rowsum(dO * O) - dlse per query.
       warpgroup_wait<0>();
       Tensor dp = make_tensor(tdPrdP.data(), accumulator_rowcol(tdPrdP.layout()));
-      float const* row_term = storage.row_term.data() + read_do.index() * kBlockM;
-      float d_column[kColumns];
-      CUTE_UNROLL
-      for (int c = 0; c < kColumns; ++c) d_column[c] = row_term[get<1>(columns(0, c))];
+      const auto d_column = column_values(storage.row_term.data() + read_do.index() * kBlockM);
       CUTE_UNROLL
       for (int r = 0; r < size<0>(dp); ++r) {
         CUTE_UNROLL

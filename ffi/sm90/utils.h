@@ -13,6 +13,8 @@ namespace jax_flash::sm90 {
 using namespace cute;
 
 inline constexpr int kThreadsPerWarpGroup = 128;
+//! log2(e): exponentials run in base 2 (exp(x) = exp2(x * kLog2e)).
+inline constexpr float kLog2e = 1.44269504088896340736f;
 
 //! `value` through an opaque move: what is computed from the result cannot be hoisted out of the
 //! enclosing loop. Used for per-thread epilogue addresses, which would otherwise stay live in
