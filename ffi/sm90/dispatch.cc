@@ -82,7 +82,6 @@ BackwardWorkspaceLayout MakeBackwardLayout(const AttentionShape& s, int64_t bloc
     layout.dq_semaphore = offset;
     offset += RoundUp256(query_blocks * int64_t(sizeof(int32_t)));
   }
-  layout.zeroed_bytes = offset;
   layout.lse_log2 = offset;
   offset += RoundUp256(query_blocks * block_m * int64_t(sizeof(float)));
   layout.row_term = offset;

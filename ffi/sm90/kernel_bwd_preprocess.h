@@ -3,7 +3,9 @@
            and the log-sum-exp in base 2, into padded fp32 arrays the main kernel loads with
            its query blocks. Rows that see no key (lse = -inf) and padding rows past the
            sequence get +inf, so that every probability recomputed from them is exactly 0.
-           Head-dim generic: one instantiation per input type.
+           Each CTA also clears its rows of the fp32 dQ accumulator (and, for the ordered
+           reduction, the counters of the query blocks that start in them), so the backward
+           needs no separate memset pass. Head-dim generic: one instantiation per input type.
 */
 #pragma once
 
@@ -32,6 +34,10 @@ struct BackwardPreprocessParams {
   int32_t lanes_per_row_log2;  //!< threads that share one row (each reads 8 elements at a time)
   float* lse_log2;   //!< (batch, N, padded_rows)
   float* row_term;   //!< (batch, N, padded_rows)
+  float* dq_accum;   //!< (batch, N, padded_rows, dq_row_floats), cleared
+  int32_t dq_row_floats;  //!< floats per accumulator row: the tile's head dim, a multiple of 4
+  int* dq_semaphore;  //!< (batch, N, padded_rows / block_m), cleared; nullptr when unordered
+  int32_t block_m;
 };
 
 inline constexpr int kPreprocessThreads = 256;
@@ -48,8 +54,21 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   tile /= row_blocks;
   const int head = tile % p.num_heads;
   const int batch = tile / p.num_heads;
-  const int row = row_block * rows_per_cta + (threadIdx.x >> p.lanes_per_row_log2);
+  const int first_row = row_block * rows_per_cta;
+  const int row = first_row + (threadIdx.x >> p.lanes_per_row_log2);
   const int lane = threadIdx.x & (lanes - 1);
+  const int64_t head_rows = (int64_t(batch) * p.num_heads + head) * p.padded_rows;
+
+  // The accumulator rows of this CTA are contiguous (whatever order the main kernel keeps
+  // inside a query block, a block's rows occupy their own span of the array).
+  float4* accum = reinterpret_cast<float4*>(p.dq_accum + (head_rows + first_row) * p.dq_row_floats);
+  const int accum_vectors = min(rows_per_cta, p.padded_rows - first_row) * p.dq_row_floats / 4;
+  for (int i = threadIdx.x; i < accum_vectors; i += kPreprocessThreads) {
+    accum[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  if (p.dq_semaphore != nullptr && lane == 0 && row < p.padded_rows && row % p.block_m == 0) {
+    p.dq_semaphore[(head_rows + row) / p.block_m] = 0;
+  }
 
   float dot = 0.f;
   if (row < p.seqlen_q) {
@@ -78,9 +97,8 @@ __global__ void __launch_bounds__(kPreprocessThreads)
       lse_log2 = lse == -INFINITY ? INFINITY : lse * kLog2e;
       term = dot - dlse;
     }
-    const int64_t out = (int64_t(batch) * p.num_heads + head) * p.padded_rows + row;
-    p.lse_log2[out] = lse_log2;
-    p.row_term[out] = term;
+    p.lse_log2[head_rows + row] = lse_log2;
+    p.row_term[head_rows + row] = term;
   }
 }
 

@@ -22,15 +22,14 @@ struct LaunchContext {
   int l2_bytes = 0;
 };
 
-//! Byte offsets of the backward's workspace regions in one allocation. The fp32 dQ accumulator
-//! and, for a deterministic backward, the counters that order its additions come first: that
-//! prefix (zeroed_bytes) is cleared before each backward.
+//! Byte offsets of the backward's workspace regions in one allocation: the fp32 dQ accumulator
+//! and, for a deterministic backward, the counters that order its additions (both cleared by
+//! the backward's first kernel), then its per-row statistics.
 struct BackwardWorkspaceLayout {
   int64_t dq_accum = 0;       //!< (batch, heads, query blocks, block_m * tile head dim) fp32
   int64_t dq_semaphore = -1;  //!< (batch, heads, query blocks) int32; -1 when not deterministic
   int64_t lse_log2 = 0;       //!< (batch, heads, query blocks * block_m) fp32
   int64_t row_term = 0;       //!< same shape
-  int64_t zeroed_bytes = 0;
   int64_t bytes = 0;
 };
 

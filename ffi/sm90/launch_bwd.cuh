@@ -1,7 +1,7 @@
 /*! \file launch_bwd.cuh
-    \brief Definition of RunBackwardTile: carves the workspace, clears the dQ accumulator, and
-           launches the three backward kernels (row terms, main, dQ convert) with the
-           collectives' arguments for one compiled tile. Included only by the generated
+    \brief Definition of RunBackwardTile: carves the workspace and launches the three backward
+           kernels (row terms with the clearing of the dQ accumulator, main, dQ convert) with
+           the collectives' arguments for one compiled tile. Included only by the generated
            instantiation units.
 */
 #pragma once
@@ -19,10 +19,11 @@
 
 namespace jax_flash::sm90 {
 
-//! log2 of the threads that share one row in the row-term kernel: enough for one 8-element
-//! vector each (a power of two, at most a warp).
+//! log2 of the threads that share one row in the row-term kernel: enough for two 8-element
+//! vectors each (a power of two, at most a warp), so that every thread has two loads of O and
+//! two of dO in flight.
 inline int preprocess_lanes_log2(int64_t head_dim) {
-  const int64_t vectors = (head_dim + 7) / 8;
+  const int64_t vectors = (head_dim + 15) / 16;
   int log2 = 0;
   while ((int64_t(1) << log2) < vectors && log2 < 5) ++log2;
   return log2;
@@ -65,13 +66,8 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
   float* row_term = reinterpret_cast<float*>(base + layout.row_term);
   int* dq_semaphore = layout.dq_semaphore < 0 ? nullptr
                                               : reinterpret_cast<int*>(base + layout.dq_semaphore);
-  cudaError_t err = cudaMemsetAsync(base, 0, size_t(layout.zeroed_bytes), context.stream);
-  if (err != cudaSuccess) {
-    return Status::Internal(std::string("jax_flash: clearing the backward workspace failed: ") +
-                            cudaGetErrorString(err));
-  }
 
-  // Row terms and base-2 log-sum-exp.
+  // Row terms and base-2 log-sum-exp; clears the dQ accumulator and counters.
   pre.out = static_cast<const Element*>(f.out.data);
   pre.dout = static_cast<const Element*>(p.dout.data);
   pre.lse = static_cast<const float*>(f.lse.data);
@@ -88,6 +84,10 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
   pre.lanes_per_row_log2 = preprocess_lanes_log2(s.head_dim);
   pre.lse_log2 = lse_log2;
   pre.row_term = row_term;
+  pre.dq_accum = dq_accum;
+  pre.dq_row_floats = Traits::kHeadDim;
+  pre.dq_semaphore = dq_semaphore;
+  pre.block_m = Traits::kBlockM;
   const int64_t rows_per_cta = kPreprocessThreads >> pre.lanes_per_row_log2;
   const int64_t preprocess_ctas =
       batch_count * s.num_heads * ((pre.padded_rows + rows_per_cta - 1) / rows_per_cta);
