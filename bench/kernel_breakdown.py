@@ -9,8 +9,8 @@ gradients are finite, since a peer that returns NaN is timed all the same.
   python bench/kernel_breakdown.py --head-dim 128 --seqlens 512,4096 --causal both \\
       --impls jax_flash,cudnn,fa3 --out bench/out
 
-Shapes follow the Hopper grid (bfloat16, B*T = 16384, N*H = 2048, K = N, T = S). Writes
-``kernel_breakdown.json`` under --out.
+Shapes and inputs are the Hopper grid's of bench_attention.py (bfloat16, B*T = 16384,
+N*H = 2048, K = N, T = S). Writes ``kernel_breakdown.json`` under --out.
 """
 
 from __future__ import annotations
@@ -52,44 +52,36 @@ def main(argv: list[str] | None = None) -> int:
 
   import jax
   import jax.numpy as jnp
-  import numpy as np
 
   impls = opts.impls.split(",")
   causal_flags = {"yes": (True,), "no": (False,), "both": (False, True)}[opts.causal]
+  shapes = configs.get_grid("gpu").shapes(head_dims=(opts.head_dim,),
+                                          seqlens=configs.parse_ints(opts.seqlens),
+                                          causal=causal_flags)
+  key = jax.random.key(0)
   records = []
-  for t in (int(x) for x in opts.seqlens.split(",")):
-    for causal in causal_flags:
-      shape = configs.Shape(batch=16384 // t, q_len=t, kv_len=t, heads=2048 // opts.head_dim,
-                            kv_heads=2048 // opts.head_dim, head_dim=opts.head_dim,
-                            causal=causal, dtype="bfloat16")
-      rng = np.random.default_rng(0)
-      for impl in impls:
-        try:
-          prepared = bench_attention.BUILDERS[impl](shape, "gpu", opts.mode)
-        except bench_attention.Unsupported as e:
-          print(f"{impl}: {e}")
-          continue
-        dtype = jnp.dtype(prepared.dtype)
-        q, k, v, do = (jnp.asarray(rng.standard_normal(s, np.float32), dtype) for s in (
-            (shape.batch, t, shape.heads, shape.head_dim),
-            (shape.batch, t, shape.kv_heads, shape.head_dim),
-            (shape.batch, t, shape.kv_heads, shape.head_dim),
-            (shape.batch, t, shape.heads, shape.head_dim)))
-        q = (q.astype(jnp.float32) * prepared.q_scale).astype(dtype)
-        timed = bench_attention.make_timed(prepared.fn, opts.mode)
-        args = (q, k, v, do) if opts.mode == "fwd_bwd" else (q, k, v)
-        compiled = jax.jit(timed).lower(*args).compile()
-        results = compiled(*args)
-        finite = {name: bool(jnp.isfinite(x.astype(jnp.float32)).all())
-                  for name, x in zip(("out", "dq", "dk", "dv"), results)}
-        kernels = breakdown(compiled, args, opts.iterations)
-        total = sum(ms for _, ms in kernels)
-        print(f"\nH={shape.head_dim} T={t} causal={causal} {impl}: {total:.4f} ms, "
-              f"finite {finite}")
-        for name, ms in kernels:
-          print(f"  {ms:9.4f} ms  {name[:110]}")
-        records.append(dict(shape=shape.__dict__, impl=impl, total_ms=total, finite=finite,
-                            kernels=[dict(name=n, ms=ms) for n, ms in kernels]))
+  for shape in shapes:
+    inputs = bench_attention.CellInputs(shape, opts.mode, key)
+    for impl in impls:
+      try:
+        prepared = bench_attention.BUILDERS[impl](shape, "gpu", opts.mode)
+      except bench_attention.Unsupported as e:
+        print(f"{impl}: {e}")
+        continue
+      args = inputs.args(prepared.dtype, prepared.q_scale)
+      timed = bench_attention.make_timed(prepared.fn, opts.mode)
+      compiled = jax.jit(timed).lower(*args).compile()
+      results = compiled(*args)
+      finite = {name: bool(jnp.isfinite(x.astype(jnp.float32)).all())
+                for name, x in zip(("out", "dq", "dk", "dv"), results)}
+      kernels = breakdown(compiled, args, opts.iterations)
+      total = sum(ms for _, ms in kernels)
+      print(f"\nH={shape.head_dim} T={shape.q_len} causal={shape.causal} {impl}: {total:.4f} ms, "
+            f"finite {finite}")
+      for name, ms in kernels:
+        print(f"  {ms:9.4f} ms  {name[:110]}")
+      records.append(dict(shape=shape.__dict__, impl=impl, total_ms=total, finite=finite,
+                          kernels=[dict(name=n, ms=ms) for n, ms in kernels]))
   opts.out.mkdir(parents=True, exist_ok=True)
   path = opts.out / "kernel_breakdown.json"
   path.write_text(json.dumps(dict(device=jax.devices()[0].device_kind, records=records),
