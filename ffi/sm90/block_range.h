@@ -58,13 +58,18 @@ struct BlockRange {
                                             p.window_left);
   }
 
-  //! Whether block (m_block, n_block) holds a pair that must not be seen (a query row past
-  //! q_len, a key past kv_len, or a window boundary); only such blocks pay for masking.
+  //! Whether block (m_block, n_block) holds a pair that must not be seen (a key past kv_len, a
+  //! window boundary, and with kMaskQueryTail a query row past q_len); only such blocks pay
+  //! for masking. The forward leaves query rows past q_len unmasked: only their own outputs,
+  //! which are discarded, read them. The backward masks them, since every key's dK and dV sum
+  //! over the queries' rows (whose Q and dO past q_len may hold anything).
+  template <bool kMaskQueryTail>
   CUTE_DEVICE static bool needs_mask(AttentionProblem const& p, SeqLengths const& lens,
                                      int32_t m_block, int32_t n_block) {
     const int32_t m_start = m_block * kBlockM;
     const int32_t n_start = n_block * kBlockN;
-    bool mask = m_start + kBlockM > lens.q_len || n_start + kBlockN > lens.kv_len;
+    bool mask = n_start + kBlockN > lens.kv_len;
+    if constexpr (kMaskQueryTail) mask |= m_start + kBlockM > lens.q_len;
     if (p.window_right >= 0) mask |= n_start + kBlockN - 1 > m_start + p.window_right;
     if (p.window_left >= 0) mask |= n_start < m_start + kBlockM - 1 - p.window_left;
     return mask;

@@ -112,14 +112,17 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
   mainloop.scale_log2 = kernel_scale(f) * kLog2e;
   // A window bounded on one side only makes the key blocks at the other end see more queries:
   // causal (bounded on the right) gives the first key blocks the most work, which the natural
-  // order already runs first. Every key block of a head reads all its queries' Q and dO.
+  // order already runs first. Every key block of a head reads all its queries' Q and dO and
+  // adds into all their dQ sums: a wave runs whole heads, so that each (query block, head)
+  // is read from memory and its sums cross L2 about once rather than once per key block.
   const bool windowed = f.options.window_left >= 0 || f.options.window_right >= 0;
   const bool reverse = f.options.window_left >= 0 && f.options.window_right < 0;
-  const int64_t qdo_bytes_per_head =
-      2 * s.seqlen_q * s.head_dim * int64_t(sizeof(Element)) * s.group_size();
+  const int64_t shared_bytes_per_head =
+      (2 * s.seqlen_q * s.head_dim * int64_t(sizeof(Element)) +
+       num_m_blocks * int64_t(Traits::kDqBlockFloats * sizeof(float))) * s.group_size();
   status = make_schedule(num_n_blocks, s.num_kv_heads, s.num_kv_heads * batch_count,
-                         qdo_bytes_per_head, reverse, /*balance_sections=*/windowed, context,
-                         "backward", &kp.scheduler);
+                         shared_bytes_per_head, /*heads_within_a_wave=*/true, reverse,
+                         /*balance_sections=*/windowed, context, "backward", &kp.scheduler);
   if (!status.ok()) return status;
   mainloop.reverse_key_blocks = kp.scheduler.reverse_blocks;
   kp.mainloop = Kernel::Mainloop::to_params(mainloop);

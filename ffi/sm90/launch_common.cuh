@@ -101,11 +101,13 @@ inline float kernel_scale(const ForwardParams& p) {
 
 //! Fills the scheduler's tile walk over `num_blocks` blocks of `num_heads_total` heads. Heads
 //! per section: as many as keep `bytes_per_head` of operands that all blocks of a head read
-//! within half of L2 (the rest serves the streamed operands).
+//! within half of L2 (the rest serves the streamed operands). With `heads_within_a_wave`, no
+//! more heads than one wave of CTAs covers whole: the blocks of a head then run side by side
+//! and meet in L2 on the data they share, before the next heads' blocks evict it.
 inline Status make_schedule(int64_t num_blocks, int64_t num_heads, int64_t num_heads_total,
-                            int64_t bytes_per_head, bool reverse_blocks, bool balance_sections,
-                            const LaunchContext& context, const char* kernel_name,
-                            TileSchedulerParams* sched) {
+                            int64_t bytes_per_head, bool heads_within_a_wave, bool reverse_blocks,
+                            bool balance_sections, const LaunchContext& context,
+                            const char* kernel_name, TileSchedulerParams* sched) {
   const int64_t num_tiles = num_heads_total * num_blocks;
   if (num_tiles > INT32_MAX - 2 * int64_t(context.sm_count)) {
     return Status::InvalidArgument(std::string("jax_flash: too many blocks x heads x batch (") +
@@ -118,6 +120,9 @@ inline Status make_schedule(int64_t num_blocks, int64_t num_heads, int64_t num_h
   sched->num_tiles = int32_t(num_tiles);
   sched->reverse_blocks = reverse_blocks;
   int64_t heads_per_section = (int64_t(context.l2_bytes) / 2) / std::max<int64_t>(bytes_per_head, 1);
+  if (heads_within_a_wave) {
+    heads_per_section = std::min<int64_t>(heads_per_section, context.sm_count / num_blocks);
+  }
   if (balance_sections) {
     // Longest first balances the CTAs only over a section several rounds long: one shorter than
     // a round deals the long blocks to the same CTAs round after round. Sections may therefore

@@ -47,8 +47,8 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   const bool windowed = p.options.window_left >= 0 || p.options.window_right >= 0;
   const int64_t kv_bytes_per_head = 2 * s.seqlen_k * s.head_dim * int64_t(sizeof(Element));
   Status status = make_schedule(num_m_blocks, s.num_heads, num_heads_total, kv_bytes_per_head,
-                                /*reverse_blocks=*/windowed, /*balance_sections=*/windowed,
-                                context, "forward", &kp.scheduler);
+                                /*heads_within_a_wave=*/false, /*reverse_blocks=*/windowed,
+                                /*balance_sections=*/windowed, context, "forward", &kp.scheduler);
   if (!status.ok()) return status;
 
   const int grid = std::min(kp.scheduler.num_tiles, context.sm_count);

@@ -381,7 +381,8 @@ struct BackwardMainloop {
 
       // P^T = exp2(S^T * scale * log2(e) - lse * log2(e)), from the saved log-sum-exp.
       Tensor s = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
-      if (Range::needs_mask(problem, info.lens, m_block, info.coord.block)) {
+      if (Range::needs_mask</*kMaskQueryTail=*/true>(problem, info.lens, m_block,
+                                                      info.coord.block)) {
         mask.apply(s, visibility, info.n_start(), m_block * kBlockM);
       }
       const auto lse_column = column_values(storage.lse.data() + read_q.index() * kBlockM);

@@ -220,7 +220,8 @@ struct ForwardMainloop {
     const RowVisibility visibility = RowVisibility::of</*kRowsAreKeys=*/false>(problem, info.lens);
 
     auto mask_block = [&](int n_block) {
-      if (Range::needs_mask(problem, info.lens, info.coord.block, n_block)) {
+      if (Range::needs_mask</*kMaskQueryTail=*/false>(problem, info.lens, info.coord.block,
+                                                       n_block)) {
         mask.apply(s, visibility, info.m_start(), n_block * Traits::kBlockN);
       }
     };
