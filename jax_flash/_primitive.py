@@ -237,8 +237,27 @@ def attention(config: AttentionConfig, q, k, v, bias, mask, q_len, kv_len):
   return _forward(config, q, k, v, bias, mask, q_len, kv_len)
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _forward_of_derivative(config, q, k, v, bias, mask, q_len, kv_len):
+  """The forward as the derivative rule runs it. Only a second derivative (grad of grad,
+  Hessian-vector products, jax.hessian) differentiates it, and its jvp rule says that this is
+  not supported, where jax would fail deep inside with "Differentiation rule for
+  'custom_partitioning' not implemented"."""
+  return _forward(config, q, k, v, bias, mask, q_len, kv_len)
+
+
+@_forward_of_derivative.defjvp
+def _forward_of_derivative_jvp(config, primals, tangents):
+  del config, primals, tangents
+  raise NotImplementedError(
+      "jax_flash.dot_product_attention has first derivatives only (grad, vjp, value_and_grad, "
+      "and jit/vmap/checkpoint of them): its backward is a kernel that is not differentiated "
+      "again, so grad of grad, Hessian-vector products and jax.hessian are not supported. "
+      "For higher-order derivatives use jax.nn.dot_product_attention (implementation='xla').")
+
+
 def _attention_fwd(config, q, k, v, bias, mask, q_len, kv_len):
-  out, lse = _forward(config, q, k, v, bias, mask, q_len, kv_len)
+  out, lse = _forward_of_derivative(config, q, k, v, bias, mask, q_len, kv_len)
   return (out, lse), (q, k, v, bias, mask, q_len, kv_len, out, lse)
 
 

@@ -29,7 +29,8 @@ What may be sharded
     sharded along one of them (from its own sharding or propagated from the consumers of the
     result), compilation fails with a ``ValueError`` naming the operand, the axis and the mesh
     axes; the sharding is never silently gathered. Replicate the axis first, e.g. with
-    ``jax.lax.with_sharding_constraint``.
+    ``jax.lax.with_sharding_constraint``, or run a split sequence through
+    ``jax_flash.ring_attention`` inside ``jax.shard_map`` (``_ring.py``).
 
 Which sharding is used
   The partitioner picks, for each batch axis and for the heads, the mesh axes of the first
@@ -345,8 +346,9 @@ def _plan(kind: _Kind, spec: CallSpec, mesh, arg_shapes, result_shapes, *,
               f"sharded along its {_SEQ_OR_HEAD_DIM[factor]} (array axis {axis}, mesh axes "
               f"{axes}); jax_flash partitions attention over batch and heads only and does not "
               "gather it implicitly. Replicate that axis before the call (e.g. "
-              "jax.lax.with_sharding_constraint); the sharding may also have been propagated "
-              "from the consumers of the result.")
+              "jax.lax.with_sharding_constraint), or, for a split sequence, call "
+              "jax_flash.ring_attention inside jax.shard_map; the sharding may also have been "
+              "propagated from the consumers of the result.")
 
   # The first sharded candidate of each factor wins: operands in order, then results.
   axes: dict[str, tuple[str, ...]] = {}

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from . import _primitive
 from ._validation import canonicalize
 
 
+#: Values of ``implementation`` that hand the call to jax.nn.dot_product_attention.
+JAX_NN_IMPLEMENTATIONS = ("xla", "cudnn")
+
+
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
                           is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
-                          local_window_size=None, return_residual=False, deterministic=None):
+                          local_window_size=None, implementation=None, return_residual=False,
+                          deterministic=None):
   r"""Scaled dot-product attention, exact, in O(T*H + S*H) memory.
 
   Same arguments and meaning as ``jax.nn.dot_product_attention``:
@@ -29,6 +35,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       the length are padding and give zeros, keys at or past the length are masked.
     local_window_size: ``int`` or ``(left, right)``: key ``j`` is visible to query ``i`` only if
       ``i - left <= j <= i + right``.
+    implementation: ``None`` or ``"jax_flash"``: jax_flash's kernels. ``"xla"`` or ``"cudnn"``:
+      the call is handed to ``jax.nn.dot_product_attention`` with that implementation (and
+      jax's semantics, e.g. for rows that see no key), so code written for jax.nn runs
+      unchanged.
     return_residual: also return the log-sum-exp of the scaled, biased logits, shaped like
       ``query`` without its last axis, in float32 (float64 for float64 inputs).
     deterministic: whether the gradients must be bit-identical from run to run. The Hopper
@@ -37,12 +47,29 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       deterministic. ``None`` follows XLA's ``--xla_gpu_deterministic_ops`` flag in
       ``XLA_FLAGS`` (off by default). Not part of ``jax.nn.dot_product_attention``.
 
+  Raises:
+    NotImplementedError: when differentiated twice (grad of grad, Hessian-vector products):
+      the backward is a kernel with no derivative of its own.
+
   Returns:
     The attention output, shaped and typed like ``query``; with ``return_residual`` a pair
     ``(output, lse)``. Rows that see no key (all masked, padding rows, empty windows) give
     output 0 and lse ``-inf``, where jax's xla path would average all values uniformly.
     Unlike jax, the gradient flows through the returned log-sum-exp.
   """
+  if implementation in JAX_NN_IMPLEMENTATIONS:
+    if deterministic is not None:
+      raise ValueError(f"deterministic applies to jax_flash's kernels only; got deterministic="
+                       f"{deterministic!r} with implementation={implementation!r} (jax.nn's "
+                       "cuDNN path follows XLA's --xla_gpu_deterministic_ops)")
+    return jax.nn.dot_product_attention(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size, implementation=implementation,
+        return_residual=return_residual)
+  if implementation not in (None, "jax_flash"):
+    raise ValueError(f"implementation must be None, 'jax_flash', 'xla' or 'cudnn'; got "
+                     f"{implementation!r}")
   call = canonicalize(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                       query_seq_lengths=query_seq_lengths,
                       key_value_seq_lengths=key_value_seq_lengths,

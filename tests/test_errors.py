@@ -195,6 +195,45 @@ def test_deterministic_default_follows_xla_flags(monkeypatch, flags, expected):
   assert explicit.config.deterministic is (not expected)
 
 
+# --- implementation ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["flash", "XLA", 1, True], ids=["name", "case", "int", "bool"])
+def test_unknown_implementation(value):
+  with pytest.raises(ValueError, match="implementation"):
+    attend(*arrays(), implementation=value)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "cudnn"])
+def test_deterministic_with_a_jax_nn_implementation(implementation):
+  with pytest.raises(ValueError, match="deterministic"):
+    attend(*arrays(), implementation=implementation, deterministic=True)
+
+
+# --- ring attention ----------------------------------------------------------------------------
+
+
+def test_ring_attention_axis_name_not_a_string():
+  with pytest.raises(TypeError, match="axis_name"):
+    jax_flash.ring_attention(*arrays(), axis_name=0)
+
+
+def test_ring_attention_outside_shard_map():
+  with pytest.raises(ValueError, match="inside shard_map over a mesh axis named 'sp'"):
+    jax_flash.ring_attention(*arrays(), axis_name="sp")
+
+
+def test_ring_attention_causal_needs_equal_shards():
+  with pytest.raises(ValueError, match="same length"):
+    jax_flash.ring_attention(*arrays(T=5, S=7), axis_name="sp", is_causal=True)
+
+
+def test_ring_attention_checks_its_operands_like_the_call():
+  q, k, v = arrays()
+  with pytest.raises(ValueError, match="key"):
+    jax_flash.ring_attention(q, k[:, :, :, :4], v, axis_name="sp")
+
+
 # --- bias and mask -----------------------------------------------------------------------------
 
 

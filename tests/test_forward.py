@@ -113,6 +113,30 @@ def test_return_residual_dtype_and_shape(platform, dtype):
                  result_dtype=want, chain=6 + q.shape[-1])
 
 
+def test_implementation_names_jax_flash(platform):
+  """None and "jax_flash" are jax_flash's kernels: the same call, the same bits."""
+  q = jnp.asarray(np.random.default_rng(0).standard_normal((2, 9, 2, default_head_dim(platform))),
+                  np_dtype(default_dtype(platform)))
+  ours = jax_flash.dot_product_attention(q, q, q, is_causal=True)
+  named = jax_flash.dot_product_attention(q, q, q, is_causal=True, implementation="jax_flash")
+  np.testing.assert_array_equal(np.asarray(ours), np.asarray(named))
+
+
+def test_implementation_xla_is_jax_nn():
+  """implementation="xla" hands the call, every argument included, to jax.nn (with its
+  semantics: a row that sees no key averages every value there, where jax_flash gives 0)."""
+  rng = np.random.default_rng(1)
+  q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+             for s in ((2, 7, 4, 8), (2, 9, 2, 8), (2, 9, 2, 8)))
+  bias = jnp.asarray(rng.standard_normal((1, 4, 7, 9)), jnp.float32)
+  kwargs = dict(is_causal=True, key_value_seq_lengths=jnp.array([9, 4], jnp.int32),
+                scale=0.3, return_residual=True)
+  ours = jax_flash.dot_product_attention(q, k, v, bias, implementation="xla", **kwargs)
+  want = jax.nn.dot_product_attention(q, k, v, bias, implementation="xla", **kwargs)
+  for a, b in zip(ours, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("shape_q,shape_k", [
     ((0, 5, 2, 8), (0, 7, 2, 8)),  # no batch
     ((2, 0, 2, 8), (2, 7, 2, 8)),  # no query

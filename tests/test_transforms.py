@@ -1,5 +1,6 @@
 """jax transformations: jit, grad, value_and_grad, checkpoint, vmap (any subset of arguments,
-non-leading axes, nested), vmap(grad), grad(vmap), jit(vmap(grad)), jacobians.
+non-leading axes, nested), vmap(grad), grad(vmap), jit(vmap(grad)), jacobians; second
+derivatives and forward mode are refused with clear errors.
 
 Mapped sizes (3, and 4 for the inner map) always differ from the batch size (2), so a mixed-up
 axis changes shapes instead of passing silently.
@@ -372,3 +373,39 @@ def test_jacobian(platform, argnum):
         *(jnp.asarray(x) for x in args)))
   assert ours.shape == inp.q.shape + args[argnum].shape
   assert_close("jacobian", ours, hi, base, kind="grad", dtype=dt, chain=case.S + case.T + case.H)
+
+
+# --- higher-order and forward-mode derivatives -----------------------------------------------
+
+
+SECOND_ORDER = {
+    "grad-of-grad": lambda loss, q: jax.grad(lambda x: jnp.sum(jax.grad(loss)(x)))(q),
+    "hessian-vector": lambda loss, q: jax.jvp(jax.grad(loss), (q,), (jnp.ones_like(q),)),
+    "hessian": lambda loss, q: jax.hessian(loss)(q),
+}
+
+
+@pytest.mark.parametrize("name", SECOND_ORDER)
+def test_second_derivatives_fail_naming_jax_flash(platform, name):
+  """The backward is a kernel without a derivative of its own: differentiating it again must
+  fail at trace time with an error that says so, not deep inside jax."""
+  case = case_on(platform, B=1, T=5, S=7, N=2, is_causal=True)
+  inp = make_inputs(case)
+  q, k, v = (jnp.asarray(x) for x in (inp.q, inp.k, inp.v))
+
+  def loss(q):
+    out = _call(case)(q, k, v)
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  with pytest.raises(NotImplementedError, match="jax_flash.dot_product_attention has first "
+                                                "derivatives only"):
+    SECOND_ORDER[name](loss, q)
+
+
+def test_forward_mode_is_refused(platform):
+  """jax.jvp of a custom_vjp function is refused by jax itself, at trace time."""
+  case = case_on(platform, B=1, T=5, S=7, N=2)
+  inp = make_inputs(case)
+  q, k, v = (jnp.asarray(x) for x in (inp.q, inp.k, inp.v))
+  with pytest.raises(TypeError, match="forward-mode"):
+    jax.jvp(lambda x: _call(case)(x, k, v), (q,), (jnp.ones_like(q),))
