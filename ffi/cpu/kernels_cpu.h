@@ -284,8 +284,15 @@ void AddBias(const void* bias, ElementType type, int64_t offset, int64_t stride,
 // GEMM micro-kernel
 // ------------------------------------------------------------------------------------------
 
+//! Terms summed from zero before joining a product's running sum: a chain of n float32 terms
+//! accumulates rounding error like n, chunks of c like c + n / c, which keeps the logits of
+//! long head dims (and every other product over many terms) within a few units of the
+//! correctly rounded sums.
+inline constexpr int64_t kSumChunk = 32;
+
 //! C[r][0:kLanes] (+)= sum_t A(r, t) * B[t][0:kLanes] for r < MR, with A(r, t) at
 //! a[r * a_row + t * a_col], B rows at b + t * ldb and C rows at c + r * ldc (both aligned).
+//! The sum runs over chunks of kSumChunk terms in increasing t, each chunk from zero.
 template <typename T, int MR>
 JF_INLINE void MicroKernel(T* __restrict c, int64_t ldc, const T* __restrict a, int64_t a_row,
                            int64_t a_col, const T* __restrict b, int64_t ldb, int64_t len,
@@ -293,33 +300,39 @@ JF_INLINE void MicroKernel(T* __restrict c, int64_t ldc, const T* __restrict a, 
   using V = VecOf<T>;
   constexpr int W = Simd<T>::kWidth;
   static_assert(kTileVectors == 4, "the micro-kernel is written for four vectors per row");
-  V acc[MR][4];
-  for (int r = 0; r < MR; ++r) {
-    for (int v = 0; v < 4; ++v) {
-      acc[r][v] = accumulate ? *reinterpret_cast<const V*>(c + r * ldc + v * W) : V{};
-    }
-  }
   const T* rows[MR];
   for (int r = 0; r < MR; ++r) rows[r] = a + r * a_row;
-  for (int64_t t = 0; t < len; ++t) {
-    const V* bt = reinterpret_cast<const V*>(b + t * ldb);
-    const V b0 = bt[0], b1 = bt[1], b2 = bt[2], b3 = bt[3];
-    const int64_t at = t * a_col;
+  int64_t t = 0;
+  do {
+    V acc[MR][4];
     for (int r = 0; r < MR; ++r) {
-      const T s = rows[r][at];
-      acc[r][0] += s * b0;
-      acc[r][1] += s * b1;
-      acc[r][2] += s * b2;
-      acc[r][3] += s * b3;
+      for (int v = 0; v < 4; ++v) acc[r][v] = V{};
     }
-  }
-  for (int r = 0; r < MR; ++r) {
-    for (int v = 0; v < 4; ++v) *reinterpret_cast<V*>(c + r * ldc + v * W) = acc[r][v];
-  }
+    const int64_t end = t + kSumChunk < len ? t + kSumChunk : len;
+    for (; t < end; ++t) {
+      const V* bt = reinterpret_cast<const V*>(b + t * ldb);
+      const V b0 = bt[0], b1 = bt[1], b2 = bt[2], b3 = bt[3];
+      const int64_t at = t * a_col;
+      for (int r = 0; r < MR; ++r) {
+        const T s = rows[r][at];
+        acc[r][0] += s * b0;
+        acc[r][1] += s * b1;
+        acc[r][2] += s * b2;
+        acc[r][3] += s * b3;
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      for (int v = 0; v < 4; ++v) {
+        V* dst = reinterpret_cast<V*>(c + r * ldc + v * W);
+        *dst = accumulate ? *dst + acc[r][v] : acc[r][v];
+      }
+    }
+    accumulate = true;
+  } while (t < len);
 }
 
-//! The same product for any number of rows. Each element of C is a sum over t in increasing
-//! order whatever `rows` is, so results never depend on how rows are blocked.
+//! The same product for any number of rows. Each element of C is the same sum (chunks in
+//! increasing t) whatever `rows` is, so results never depend on how rows are blocked.
 template <typename T>
 void Gemm(T* c, int64_t ldc, int64_t rows, const T* a, int64_t a_row, int64_t a_col, const T* b,
           int64_t ldb, int64_t len, bool accumulate);

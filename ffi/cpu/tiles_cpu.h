@@ -4,8 +4,8 @@
 
     Logits are computed identically in every pass: the query row is multiplied by the scale
     when it is packed (rounded to the accumulation type), the dot product runs over the head
-    dimension in increasing order with one fused multiply-add per term, and the bias is added
-    after. The backward therefore recomputes exactly the forward's logits.
+    dimension in the micro-kernel's chunks (kSumChunk terms, one fused multiply-add each),
+    and the bias is added after. The backward therefore recomputes exactly the forward's logits.
 */
 #pragma once
 
