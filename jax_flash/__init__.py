@@ -1,8 +1,7 @@
 """jax_flash: FlashAttention for JAX, as XLA FFI handlers (Hopper CUDA kernels and C++ CPU kernels)."""
 
 from ._extension import build_info
-from ._ring import ring_attention
-from .attention import dot_product_attention
+from .attention import dot_product_attention, ring_attention
 from .capabilities import capabilities, gpu_available
 
 __version__ = "0.1.0"

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _blockwise, _config, _extension, _sharding
+from . import _blockwise, _config, _extension, _ring, _sharding
 from ._validation import AttentionConfig
 
 
@@ -271,3 +271,36 @@ def _attention_bwd(config, residuals, cotangents):
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# --- ring attention inside shard_map -----------------------------------------------------------
+
+
+def _ring_forward_block(config, q, k, v, q_len, kv_len):
+  return _forward(config, q, k, v, None, None, q_len, kv_len)
+
+
+def _ring_backward_block(config, q, k, v, out, lse, dout, dlse, q_len, kv_len):
+  return _backward(config, q, k, v, out, lse, dout, dlse, None, None, q_len, kv_len)[:3]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def ring_attention(ring: _ring.Ring, q, k, v, q_len, kv_len):
+  """Ring attention over `ring` on canonical local operands; returns (out, lse (B, N, T))."""
+  return _ring.forward(ring, _ring_forward_block, q, k, v, q_len, kv_len)
+
+
+def _ring_attention_fwd(ring, q, k, v, q_len, kv_len):
+  out, lse = _ring.forward(ring, _ring_forward_block, q, k, v, q_len, kv_len)
+  return (out, lse), (q, k, v, q_len, kv_len, out, lse)
+
+
+def _ring_attention_bwd(ring, residuals, cotangents):
+  q, k, v, q_len, kv_len, out, lse = residuals
+  dout, dlse = cotangents
+  dq, dk, dv = _ring.backward(ring, _ring_backward_block, q, k, v, out, lse,
+                              dout.astype(out.dtype), dlse.astype(lse.dtype), q_len, kv_len)
+  return dq, dk, dv, None, None
+
+
+ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)

@@ -24,13 +24,20 @@ What may be sharded
         sums the key/value gradients of the ``m / K`` shards that share a key/value head
         (an all-reduce over the head mesh axes);
       - otherwise the call raises ``NotImplementedError``.
-  * The query sequence ``T``, the key/value sequence ``S`` and the head dim ``H`` may not be
-    sharded: the kernels need whole rows of keys and whole head vectors. If an operand arrives
-    sharded along one of them (from its own sharding or propagated from the consumers of the
+  * The sequences: when the query sequence ``T`` or the key/value sequence ``S`` arrives
+    sharded (over the mesh axes of the first tensor sharded along one, which then split both),
+    each device runs ring attention (``_ring.py``) on its chunks: the key/value chunks and,
+    in the backward, their gradient accumulators travel by ``ppermute`` around those mesh axes.
+    Both sequences must divide into the shards (``ValueError``), causal attention needs
+    ``T == S`` (``ValueError``), and bias/mask arrays and local windows are not supported over
+    a split sequence (``NotImplementedError``).
+  * The head dim ``H`` may not be sharded: the kernels need whole head vectors. If an operand
+    arrives sharded along it (from its own sharding or propagated from the consumers of the
     result), compilation fails with a ``ValueError`` naming the operand, the axis and the mesh
     axes; the sharding is never silently gathered. Replicate the axis first, e.g. with
-    ``jax.lax.with_sharding_constraint``, or run a split sequence through
-    ``jax_flash.ring_attention`` inside ``jax.shard_map`` (``_ring.py``).
+    ``jax.lax.with_sharding_constraint``.
+  These errors are raised inside XLA's partitioner, which reports them as a
+  ``JaxRuntimeError`` (``INTERNAL: custom_partitioner``) quoting jax_flash's message.
 
 Which sharding is used
   The partitioner picks, for each batch axis and for the heads, the mesh axes of the first
@@ -80,6 +87,7 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from . import _ring
 from ._validation import AttentionConfig
 
 # --- static description of one call ------------------------------------------------------------
@@ -274,6 +282,7 @@ class _Plan:
   mesh: Any
   axes: dict[str, tuple[str, ...]]  # factor -> mesh axes
   kv_heads_replicated: bool  # head shards outnumber kv heads: each shard slices its kv head
+  seq_axes: tuple[str, ...] = ()  # the query and key/value sequences' ring, if split
 
   def _size(self, axes) -> int:
     return int(np.prod([self.mesh.shape[a] for a in axes])) if axes else 1
@@ -283,7 +292,9 @@ class _Plan:
       return None
     entries = []
     for factor in tensor.factors:
-      if factor is None or factor in _SEQ_OR_HEAD_DIM:
+      if factor in ("s", "t"):
+        axes = self.seq_axes
+      elif factor is None or factor == "d":
         axes = ()
       elif factor == "heads_k" and self.kv_heads_replicated:
         axes = ()
@@ -317,6 +328,30 @@ def jnp_int(value: int) -> jax.Array:
   return lax.convert_element_type(value, np.int32)
 
 
+def _check_ring(kind: _Kind, spec: CallSpec, layout: _Layout, mesh, seq_axes) -> None:
+  """Raises unless the call can run as ring attention over `seq_axes`."""
+  where = f"the attention {kind.name}'s sequence is sharded over mesh axes {seq_axes}"
+  if spec.has_bias or spec.has_mask:
+    raise NotImplementedError(
+        f"jax_flash: {where}, which runs as ring attention; ring attention does not take "
+        "bias or mask arrays yet: replicate the sequence axes of query, key and value")
+  config = spec.config
+  if config.window_left != -1 or config.window_right not in (-1, 0):
+    raise NotImplementedError(
+        f"jax_flash: {where}, which runs as ring attention; ring attention does not take "
+        "local windows yet: replicate the sequence axes of query, key and value")
+  shards = int(np.prod([mesh.shape[a] for a in seq_axes]))
+  for name, length in (("query sequence (T)", layout.T), ("key/value sequence (S)", layout.S)):
+    if length % shards:
+      raise ValueError(
+          f"jax_flash: {where} ({shards} shards), which must divide the {name} length "
+          f"{length}: pad the sequence to a multiple of {shards}")
+  if config.window_right == 0 and layout.T != layout.S:
+    raise ValueError(
+        f"jax_flash: {where}; causal ring attention needs equal query and key/value lengths, "
+        f"got T={layout.T} and S={layout.S}")
+
+
 def _plan(kind: _Kind, spec: CallSpec, mesh, arg_shapes, result_shapes, *,
           check: bool = True) -> _Plan:
   if mesh is None or mesh.empty:
@@ -340,19 +375,30 @@ def _plan(kind: _Kind, spec: CallSpec, mesh, arg_shapes, result_shapes, *,
       if tensor is None:
         continue
       for axis, (factor, axes) in enumerate(zip(tensor.factors, sharded[i])):
-        if factor in _SEQ_OR_HEAD_DIM and axes:
+        if factor == "d" and axes:
           raise ValueError(
               f"jax_flash: the attention {kind.name} {tensor.name} (shape {tensor.shape}) is "
               f"sharded along its {_SEQ_OR_HEAD_DIM[factor]} (array axis {axis}, mesh axes "
-              f"{axes}); jax_flash partitions attention over batch and heads only and does not "
-              "gather it implicitly. Replicate that axis before the call (e.g. "
-              "jax.lax.with_sharding_constraint), or, for a split sequence, call "
-              "jax_flash.ring_attention inside jax.shard_map; the sharding may also have been "
-              "propagated from the consumers of the result.")
+              f"{axes}); the kernels need whole head vectors and jax_flash does not gather "
+              "them implicitly. Replicate that axis before the call (e.g. "
+              "jax.lax.with_sharding_constraint); the sharding may also have been propagated "
+              "from the consumers of the result.")
 
-  # The first sharded candidate of each factor wins: operands in order, then results.
+  # A split sequence runs as ring attention over the mesh axes of the first tensor sharded
+  # along a sequence axis (query and key/value are then split over the same axes).
+  seq_axes: tuple[str, ...] = ()
+  for i, tensor in enumerate(layout.tensors):
+    if tensor is not None and not seq_axes:
+      for axis, factor in enumerate(tensor.factors):
+        if factor in ("s", "t") and sharded[i][axis]:
+          seq_axes = sharded[i][axis]
+          break
+  if seq_axes and check:
+    _check_ring(kind, spec, layout, mesh, seq_axes)
+
+  # The first sharded candidate of each factor wins: operands in order, then results.  # The first sharded candidate of each factor wins: operands in order, then results.
   axes: dict[str, tuple[str, ...]] = {}
-  used: set[str] = set()
+  used: set[str] = set(seq_axes)
   factors = [f"b{i}" for i in range(layout.rank)] + ["heads"]
   for factor in factors:
     for i, tensor in enumerate(layout.tensors):
@@ -369,7 +415,7 @@ def _plan(kind: _Kind, spec: CallSpec, mesh, arg_shapes, result_shapes, *,
         used.update(choice)
         break
 
-  plan = _Plan(layout, mesh, axes, kv_heads_replicated=False)
+  plan = _Plan(layout, mesh, axes, kv_heads_replicated=False, seq_axes=seq_axes)
   m = plan.head_shards()
   if m > 1:
     K = layout.K
@@ -401,7 +447,8 @@ def _lower_fn(kind: _Kind, spec: CallSpec, plan: _Plan, impl: Callable):
       head = plan.shard_index(heads_axes) // (m // layout.K)
       for i in kv_operands:
         operands[i] = lax.dynamic_slice_in_dim(operands[i], head, 1, axis=layout.rank + 1)
-    results = list(impl(spec, *operands))
+    results = list(_ring_call(kind, spec, plan, impl, operands) if plan.seq_axes
+                   else impl(spec, *operands))
     if kind is BACKWARD:
       if plan.kv_heads_replicated:
         for j in (1, 2):  # dk, dv: sum the shards that share the kv head
@@ -422,6 +469,33 @@ def _lower_fn(kind: _Kind, spec: CallSpec, plan: _Plan, impl: Callable):
     return tuple(results)
 
   return lower_fn
+
+
+def _ring_call(kind: _Kind, spec: CallSpec, plan: _Plan, impl: Callable, operands):
+  """The call of `kind` on this device's sequence shards, as ring attention over the plan's
+  sequence axes; each block runs `impl` (the platform's kernels) on one pair of shards."""
+  axes = plan.seq_axes
+  ring = _ring.Ring.of(axes[0] if len(axes) == 1 else axes, plan._size(axes), spec.config)
+
+  def block_spec(config):
+    return dataclasses.replace(spec, config=config)
+
+  if kind is FORWARD:
+    q, k, v, _, _, q_len, kv_len = operands
+
+    def forward_block(config, q, k, v, q_len, kv_len):
+      return impl(block_spec(config), q, k, v, None, None, q_len, kv_len)
+
+    return _ring.forward(ring, forward_block, q, k, v, q_len, kv_len)
+
+  q, k, v, out, lse, dout, dlse, _, _, q_len, kv_len = operands
+
+  def backward_block(config, q, k, v, out, lse, dout, dlse, q_len, kv_len):
+    return impl(block_spec(config), q, k, v, out, lse, dout, dlse, None, None, q_len,
+                kv_len)[:3]
+
+  grads = _ring.backward(ring, backward_block, q, k, v, out, lse, dout, dlse, q_len, kv_len)
+  return grads + (None,)  # no bias, no bias gradient
 
 
 def _acc_dtype(dtype):

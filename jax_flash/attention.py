@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from . import _primitive
+from . import _primitive, _ring
 from ._validation import canonicalize
 
 
@@ -83,6 +84,59 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   else:
     out, lse = _primitive.attention(call.config, q, call.key, call.value, call.bias, call.mask,
                                     call.query_seq_lengths, call.key_value_seq_lengths)
+  if call.unbatched:
+    out, lse = out[0], lse[0]
+  if not return_residual:
+    return out
+  return out, jnp.swapaxes(lse, -1, -2)
+
+
+def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
+                   query_seq_lengths=None, key_value_seq_lengths=None, return_residual=False,
+                   deterministic=None):
+  r"""Attention over a sequence split along the mesh axis ``axis_name``, inside ``shard_map``.
+
+  The key/value shards travel around the devices of ``axis_name`` while each attends its
+  queries to the shard in hand; partial results merge exactly (``jax_flash/_ring.py``).
+
+  Args:
+    query: this device's ``(B, T, N, H)`` (or ``(T, N, H)``) shard: global query rows
+      ``[i*T, (i+1)*T)`` on the device of index ``i`` along ``axis_name``.
+    key, value: this device's ``(B, S, K, H)`` shards, rows ``[i*S, (i+1)*S)``.
+    axis_name: the mesh axis (or tuple of mesh axes) the sequence is split over. Other mesh
+      axes may shard the batch or the heads as usual.
+    scale, deterministic: as in :func:`dot_product_attention`.
+    is_causal: causal over global positions; needs ``T == S``.
+    query_seq_lengths, key_value_seq_lengths: optional global lengths ``(B,)``, the same on
+      every device of the ring.
+    return_residual: also return this shard's log-sum-exp ``(B, T, N)``.
+
+  Returns:
+    This device's rows of the output (and log-sum-exp), as :func:`dot_product_attention` on
+    the whole sequence gives them.
+
+  Bias and mask arrays and local windows are not supported here yet.
+  """
+  names = (axis_name,) if isinstance(axis_name, str) else axis_name
+  if not isinstance(names, tuple) or not names or not all(isinstance(a, str) for a in names):
+    raise TypeError(f"axis_name must name a mesh axis (a str, or a tuple of str), got "
+                    f"{axis_name!r}")
+  call = canonicalize(query, key, value, None, None, scale=scale, is_causal=is_causal,
+                      query_seq_lengths=query_seq_lengths,
+                      key_value_seq_lengths=key_value_seq_lengths, local_window_size=None,
+                      deterministic=deterministic)
+  q, k, v = call.query, call.key, call.value
+  if is_causal and q.shape[1] != k.shape[1]:
+    raise ValueError(f"causal ring attention needs query and key/value shards of the same "
+                     f"length, got T={q.shape[1]} and S={k.shape[1]}")
+  try:
+    size = lax.axis_size(axis_name)
+  except NameError as err:
+    raise ValueError(f"ring_attention must run inside shard_map over a mesh axis named "
+                     f"{axis_name!r}") from err
+  ring = _ring.Ring.of(axis_name, size, call.config)
+  out, lse = _primitive.ring_attention(ring, q, k, v, call.query_seq_lengths,
+                                       call.key_value_seq_lengths)
   if call.unbatched:
     out, lse = out[0], lse[0]
   if not return_residual:

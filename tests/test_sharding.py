@@ -337,21 +337,15 @@ else:
     assert not _collective_shapes(hlo)
     assert _hlo_shape((1, s.B, s.T, s.N // 4, HEAD_DIM), DTYPE) in hlo
 
-  @pytest.mark.parametrize("axis", ["T", "S", "H"])
-  def test_check_sequence_or_head_dim_sharding_raises(axis):
-    s = Setup("seq", (2, 1), ("x",))
+  def test_check_head_dim_sharding_raises():
+    s = Setup("head-dim", (2, 1), ("x",))
     mesh = _mesh(s)
     x = _inputs(s)
-    q_spec = {"T": (None, "x"), "S": (), "H": (None, None, None, "x")}[axis]
-    kv_spec = {"T": (), "S": (None, "x"), "H": (None, None, None, "x")}[axis]
-    what = {"T": r"query \(shape .*\) is sharded along its query sequence axis \(T\)",
-            "S": r"key \(shape .*\) is sharded along its key/value sequence axis \(S\)",
-            "H": r"query \(shape .*\) is sharded along its head dim axis \(H\)"}[axis]
-    q = jax.device_put(x["q"], NamedSharding(mesh, P(*q_spec)))
-    k = jax.device_put(x["k"], NamedSharding(mesh, P(*kv_spec)))
-    v = jax.device_put(x["v"], NamedSharding(mesh, P(*kv_spec)))
+    spec = NamedSharding(mesh, P(None, None, None, "x"))
+    q, k, v = (jax.device_put(x[n], spec) for n in ("q", "k", "v"))
     f = jax.jit(lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=True))
-    with pytest.raises(Exception, match=what):
+    with pytest.raises(Exception, match=r"query \(shape .*\) is sharded along its head dim "
+                                        r"axis \(H\)"):
       f.lower(q, k, v).compile()
 
   def test_check_incompatible_head_sharding_raises():
@@ -404,8 +398,11 @@ else:
     return jax.make_mesh((s.outer, s.ring), ("dp", "sp"),
                          axis_types=(AxisType.Auto, AxisType.Auto), devices=DEVICES[:count])
 
+  @pytest.mark.parametrize("entry", ["shard_map", "jit"])
   @pytest.mark.parametrize("setup", RING_SETUPS, ids=lambda s: s.name)
-  def test_check_ring_attention_equals_single_device(setup):
+  def test_check_ring_attention_equals_single_device(setup, entry):
+    """jax_flash.ring_attention inside shard_map, and the plain call under jit with operands
+    sharded along the sequence (which runs the same ring)."""
     s = setup
     mesh = _ring_mesh(s)
     rng = np.random.default_rng(7)
@@ -430,7 +427,14 @@ else:
     seq_spec = P(batch, "sp", heads)
     len_spec = P(batch)
 
+    def sharded_call(q, k, v):
+      constrain = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, seq_spec))
+      return full(*(constrain(x) for x in (q, k, v)))
+
     def ring(q, k, v):
+      if entry == "jit":
+        return sharded_call(q, k, v)
+
       def local(q, k, v, q_len, kv_len):
         return jax_flash.ring_attention(
             q, k, v, axis_name="sp", is_causal=s.is_causal, query_seq_lengths=q_len,
@@ -465,3 +469,80 @@ else:
     found = _collective_shapes(hlo)
     assert "collective-permute" in found, found
     assert "all-gather" not in found and "all-to-all" not in found, found
+
+  def _ring_inputs(T=32, S=32, N=4, K=2):
+    rng = np.random.default_rng(11)
+    q = jnp.asarray(rng.standard_normal((2, T, N, HEAD_DIM)), DTYPE)
+    k = jnp.asarray(rng.standard_normal((2, S, K, HEAD_DIM)), DTYPE)
+    return q, k, k
+
+  def test_check_query_sequence_alone_sharded_runs_the_ring():
+    """Only the query arrives split along its sequence: key/value are split to match (a local
+    slice of the replicated arrays) and the ring runs; the output stays split like the query."""
+    mesh = _ring_mesh(RingSetup("t-only", 4))
+    q, k, v = _ring_inputs()
+    f = jax.jit(lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=True))
+    want = f(q, k, v)
+    qs = jax.device_put(q, NamedSharding(mesh, P(None, "sp")))
+    got = f(qs, k, v)
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64),
+                               rtol=0, atol=8 * 4 * float(jnp.finfo(DTYPE).eps))
+    assert got.sharding.spec[1] == "sp", got.sharding
+    assert "collective-permute" in _collective_shapes(f.lower(qs, k, v).compile().as_text())
+
+  @pytest.mark.parametrize("case,error,match", [
+      ("uneven", ValueError, r"must divide the query sequence \(T\) length 30"),
+      ("causal-t-neq-s", ValueError, "causal ring attention needs equal query and key/value"),
+      ("window", NotImplementedError, "does not take local windows yet"),
+      ("bias", NotImplementedError, "does not take bias or mask arrays yet"),
+  ])
+  def test_check_unsupported_sequence_splits_raise(case, error, match):
+    """jax_flash's error is raised inside XLA's partitioner, which reports it as a
+    JaxRuntimeError (INTERNAL: custom_partitioner) quoting the error's type and message."""
+    mesh = _ring_mesh(RingSetup(case, 4))
+    q, k, v = _ring_inputs(T=30 if case == "uneven" else 32,
+                           S=48 if case == "causal-t-neq-s" else 32)
+    kwargs = dict(is_causal=case != "window")
+    if case == "window":
+      kwargs["local_window_size"] = (5, 0)
+    bias = jnp.zeros((2, 4, q.shape[1], k.shape[1]), DTYPE) if case == "bias" else None
+    spec = NamedSharding(mesh, P(None, "sp"))
+
+    def f(q, k, v):  # an uneven split can only be asked for inside the program
+      q = jax.lax.with_sharding_constraint(q, spec)
+      return jax_flash.dot_product_attention(q, k, v, bias, **kwargs)
+
+    with pytest.raises(jax.errors.JaxRuntimeError, match=f"{error.__name__}: jax_flash: .*{match}"):
+      jax.jit(f).lower(q, k, v).compile()
+
+  @pytest.mark.parametrize("mapped", ["query", "key-value"])
+  def test_check_vmap_over_a_split_sequence(mapped):
+    """vmap adds a batch axis where only some operands are mapped; the ring's results and
+    gradients have the full batch shape, summed by jax over the unmapped operands' axis."""
+    mesh = _ring_mesh(RingSetup("vmap", 4, outer=2))
+    rng = np.random.default_rng(5)
+    M, B, T = 3, 2, 32
+    q_shape = (M, B, T, 4, HEAD_DIM) if mapped == "query" else (B, T, 4, HEAD_DIM)
+    kv_shape = (M, B, T, 2, HEAD_DIM) if mapped == "key-value" else (B, T, 2, HEAD_DIM)
+    q = jnp.asarray(rng.standard_normal(q_shape), DTYPE)
+    k = jnp.asarray(rng.standard_normal(kv_shape), DTYPE)
+    v = jnp.asarray(rng.standard_normal(kv_shape), DTYPE)
+    in_axes = (0, None, None) if mapped == "query" else (None, 0, 0)
+
+    def run(q, k, v):
+      f = jax.vmap(lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=True),
+                   in_axes=in_axes)
+      out, vjp = jax.vjp(f, q, k, v)
+      return (out,) + vjp(jnp.ones_like(out))
+
+    want = jax.jit(run)(q, k, v)
+
+    def place(x):
+      spec = P("dp", "sp") if x.ndim == 4 else P(None, "dp", "sp")
+      return jax.device_put(x, NamedSharding(mesh, spec))
+
+    got = jax.jit(run)(*(place(x) for x in (q, k, v)))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+      a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+      np.testing.assert_allclose(a, b, rtol=0, err_msg=name,
+                                 atol=2 * 4 * float(jnp.finfo(DTYPE).eps) * max(1.0, np.abs(b).max()))
