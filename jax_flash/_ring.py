@@ -34,8 +34,13 @@ from jax import lax
 
 from ._validation import AttentionConfig
 
-# Which kernel a (query shard, key/value shard) block runs under causal attention.
+# Which kernel a (query chunk, key/value chunk) block runs under causal attention.
 _FULL, _CAUSAL, _SKIP = 0, 1, 2
+
+#: How the global sequence is laid out over the ring's devices.
+CONTIGUOUS = "contiguous"  # device d holds chunk d of P
+ZIGZAG = "zigzag"  # device d holds chunks d and 2P - 1 - d of 2P, in that order
+LAYOUTS = (CONTIGUOUS, ZIGZAG)
 
 #: (config, q, k, v, q_len, kv_len) -> (out, lse) of one block.
 ForwardBlock = Callable
@@ -51,10 +56,11 @@ class Ring:
   size: int
   is_causal: bool
   full: AttentionConfig  # a block of earlier keys (or any block when not causal)
-  causal: AttentionConfig  # a shard attending to its own keys
+  causal: AttentionConfig  # a chunk attending to its own keys
+  layout: str = CONTIGUOUS
 
   @staticmethod
-  def of(axis_name, size: int, config: AttentionConfig) -> "Ring":
+  def of(axis_name, size: int, config: AttentionConfig, layout: str = CONTIGUOUS) -> "Ring":
     """The ring for a call with `config`, which must have no window but causal."""
     is_causal = config.window_right == 0
     if config.window_left != -1 or config.window_right not in (-1, 0):
@@ -63,20 +69,60 @@ class Ring:
           "supported over a split sequence yet")
     return Ring(axis_name, int(size), is_causal,
                 full=dataclasses.replace(config, window_left=-1, window_right=-1),
-                causal=dataclasses.replace(config, window_left=-1, window_right=0))
+                causal=dataclasses.replace(config, window_left=-1, window_right=0),
+                layout=layout)
+
+  @property
+  def chunks(self) -> int:
+    """Chunks of the global sequence per device."""
+    return 2 if self.layout == ZIGZAG else 1
 
   def index(self):
     return lax.axis_index(self.axis_name)
 
-  def block_kind(self, src):
-    """_FULL, _CAUSAL or _SKIP for the block of key/value shard `src` on this device."""
-    me = self.index()
-    return jnp.where(src < me, _FULL, jnp.where(src == me, _CAUSAL, _SKIP))
+  def chunk_ids(self, device):
+    """Global chunk indices held by `device` (a traced index), in local order."""
+    if self.layout == ZIGZAG:
+      return (device, 2 * self.size - 1 - device)
+    return (device,)
+
+  def block_kind(self, q_chunk, kv_chunk):
+    """_FULL, _CAUSAL or _SKIP for queries of chunk `q_chunk` against keys of `kv_chunk`."""
+    if not self.is_causal:
+      return None
+    return jnp.where(kv_chunk < q_chunk, _FULL, jnp.where(kv_chunk == q_chunk, _CAUSAL, _SKIP))
 
   def pass_on(self, tree):
     """Sends `tree` to the next device of the ring, receives the previous device's."""
     perm = [(d, (d + 1) % self.size) for d in range(self.size)]
     return jax.tree.map(lambda x: lax.ppermute(x, self.axis_name, perm), tree)
+
+
+def zigzag_order(x, ring_size: int, axis: int = 1):
+  """Reorders the sequence axis `axis` of `x` (length divisible by 2 * ring_size) into the
+  zig-zag layout: 2P chunks, device d's contiguous slice holding chunks d and 2P - 1 - d.
+  Under causal attention every device then has the same work."""
+  P = ring_size
+  order = [c for d in range(P) for c in (d, 2 * P - 1 - d)]
+  return _permute_chunks(x, order, 2 * P, axis)
+
+
+def zigzag_restore(x, ring_size: int, axis: int = 1):
+  """The inverse of zigzag_order."""
+  P = ring_size
+  order = [c for d in range(P) for c in (d, 2 * P - 1 - d)]
+  inverse = [order.index(c) for c in range(2 * P)]
+  return _permute_chunks(x, inverse, 2 * P, axis)
+
+
+def _permute_chunks(x, order, count: int, axis: int):
+  axis = axis % x.ndim
+  length = x.shape[axis]
+  if length % count:
+    raise ValueError(f"the sequence axis {axis} of length {length} must divide into {count} "
+                     f"chunks (2 per device of the ring)")
+  chunks = jnp.split(x, count, axis=axis)
+  return jnp.concatenate([chunks[c] for c in order], axis=axis)
 
 
 def _acc_dtype(dtype) -> np.dtype:
@@ -92,11 +138,11 @@ def _like(x, ref):
   return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _local_lengths(lengths, shard, size):
-  """Global lengths as lengths within shard `shard` of `size` rows (None: all rows)."""
+def _local_lengths(lengths, chunk, size):
+  """Global lengths as lengths within global chunk `chunk` of `size` rows (None: all rows)."""
   if lengths is None:
     return None
-  return jnp.clip(lengths - shard * size, 0, size).astype(jnp.int32)
+  return jnp.clip(lengths - chunk * size, 0, size).astype(jnp.int32)
 
 
 def _merge(out, lse, block_out, block_lse):
@@ -112,39 +158,55 @@ def _merge(out, lse, block_out, block_lse):
   return out * weight(lse) + block_out.astype(out.dtype) * weight(block_lse), new_lse
 
 
+def _split(x, parts: int, axis: int):
+  return jnp.split(x, parts, axis=axis) if parts > 1 else [x]
+
+
+def _join(xs, axis: int):
+  return jnp.concatenate(xs, axis=axis) if len(xs) > 1 else xs[0]
+
+
+def _switch(kind, full, causal, skip):
+  """full() when not causal (kind None), else the branch `kind` selects."""
+  if kind is None:
+    return full()
+  return lax.switch(kind, [full, causal, skip])
+
+
 def forward(ring: Ring, block: ForwardBlock, q, k, v, q_len, kv_len):
   """(out, lse) of this device's queries against the whole ring's keys."""
   me = ring.index()
-  T, N = q.shape[-3], q.shape[-2]
-  S = k.shape[-3]
+  N = q.shape[-2]
+  C, Ck = q.shape[-3] // ring.chunks, k.shape[-3] // ring.chunks  # chunk lengths
   acc = _acc_dtype(q.dtype)
   # Results have the problem's full batch shape, also where q broadcasts over a batch axis.
   batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
-  out_shape, lse_shape = batch + q.shape[-3:], batch + (N, T)
-  q_len_local = _local_lengths(q_len, me, T)
-  out = _like(jnp.zeros(out_shape, acc), q)
-  lse = _like(jnp.full(lse_shape, -jnp.inf, acc), q)
+  out_shape, lse_shape = batch + (C,) + q.shape[-2:], batch + (N, C)
+  q_ids = ring.chunk_ids(me)
+  q_parts = _split(q, ring.chunks, -3)
+  q_lens = [_local_lengths(q_len, c, C) for c in q_ids]
+  outs = [_like(jnp.zeros(out_shape, acc), q) for _ in q_ids]
+  lses = [_like(jnp.full(lse_shape, -jnp.inf, acc), q) for _ in q_ids]
   kv = (k, v)
   for step in range(ring.size):
     src = (me - step) % ring.size
     # The next shard is requested before this one is used, so the transfer can overlap.
     next_kv = ring.pass_on(kv) if step + 1 < ring.size else None
-    kv_len_local = _local_lengths(kv_len, src, S)
+    kv_parts = list(zip(_split(kv[0], ring.chunks, -3), _split(kv[1], ring.chunks, -3)))
+    for j, kv_id in enumerate(ring.chunk_ids(src)):
+      kv_len_local = _local_lengths(kv_len, kv_id, Ck)
+      for i, q_id in enumerate(q_ids):
+        def run(config, q=q_parts[i], kv=kv_parts[j], q_len=q_lens[i], kv_len=kv_len_local):
+          block_out, block_lse = block(config, q, *kv, q_len, kv_len)
+          return _like(block_out, q), _like(block_lse.astype(acc), q)
 
-    def run(config, kv=kv, kv_len_local=kv_len_local):
-      block_out, block_lse = block(config, q, *kv, q_len_local, kv_len_local)
-      return _like(block_out, q), _like(block_lse.astype(acc), q)
-
-    if ring.is_causal:
-      skip = (_like(jnp.zeros(out_shape, q.dtype), q),
-              _like(jnp.full(lse_shape, -jnp.inf, acc), q))
-      block_out, block_lse = lax.switch(
-          ring.block_kind(src), [lambda: run(ring.full), lambda: run(ring.causal), lambda: skip])
-    else:
-      block_out, block_lse = run(ring.full)
-    out, lse = _merge(out, lse, block_out, block_lse)
+        skip = lambda: (_like(jnp.zeros(out_shape, q.dtype), q),
+                        _like(jnp.full(lse_shape, -jnp.inf, acc), q))
+        block_out, block_lse = _switch(ring.block_kind(q_id, kv_id), lambda: run(ring.full),
+                                       lambda: run(ring.causal), skip)
+        outs[i], lses[i] = _merge(outs[i], lses[i], block_out, block_lse)
     kv = next_kv
-  return out.astype(q.dtype), lse
+  return _join(outs, -3).astype(q.dtype), _join(lses, -1)
 
 
 def backward(ring: Ring, block: BackwardBlock, q, k, v, out, lse, dout, dlse, q_len, kv_len):
@@ -152,34 +214,44 @@ def backward(ring: Ring, block: BackwardBlock, q, k, v, out, lse, dout, dlse, q_
   blocks' gradients they have the problem's full batch shape, also where an operand broadcasts
   over a batch axis (jax sums them over it)."""
   me = ring.index()
-  T, S = q.shape[-3], k.shape[-3]
+  C, Ck = q.shape[-3] // ring.chunks, k.shape[-3] // ring.chunks
   acc = _acc_dtype(q.dtype)
   batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
-  grad_zeros = lambda x: _like(jnp.zeros(batch + x.shape[-3:], acc), x)
-  q_len_local = _local_lengths(q_len, me, T)
-  dq = grad_zeros(q)
+
+  def grad_zeros(x, rows):
+    return _like(jnp.zeros(batch + (rows,) + x.shape[-2:], acc), x)
+
+  q_ids = ring.chunk_ids(me)
+  split_q = lambda x: _split(x, ring.chunks, -3)
+  q_parts, out_parts, dout_parts = split_q(q), split_q(out), split_q(dout)
+  lse_parts, dlse_parts = _split(lse, ring.chunks, -1), _split(dlse, ring.chunks, -1)
+  q_lens = [_local_lengths(q_len, c, C) for c in q_ids]
+  dqs = [grad_zeros(q, C) for _ in q_ids]
   # The gradients of the shard in hand travel with it.
   kv = (k, v)
-  dkv = (grad_zeros(k), grad_zeros(v))
+  dkv = (grad_zeros(k, k.shape[-3]), grad_zeros(v, v.shape[-3]))
   for step in range(ring.size):
     src = (me - step) % ring.size
     next_kv = ring.pass_on(kv) if step + 1 < ring.size else None
-    kv_len_local = _local_lengths(kv_len, src, S)
+    kv_parts = list(zip(_split(kv[0], ring.chunks, -3), _split(kv[1], ring.chunks, -3)))
+    dk_parts, dv_parts = _split(dkv[0], ring.chunks, -3), _split(dkv[1], ring.chunks, -3)
+    for j, kv_id in enumerate(ring.chunk_ids(src)):
+      kv_len_local = _local_lengths(kv_len, kv_id, Ck)
+      for i, q_id in enumerate(q_ids):
+        def run(config, i=i, kv=kv_parts[j], kv_len=kv_len_local):
+          # Every block's P comes from the merged log-sum-exp, and its row term from the
+          # merged output: the block gradients are the exact terms of the full gradient.
+          grads = block(config, q_parts[i], *kv, out_parts[i], lse_parts[i], dout_parts[i],
+                        dlse_parts[i], q_lens[i], kv_len)
+          return tuple(_like(g.astype(acc), x) for g, x in zip(grads, (q, k, v)))
 
-    def run(config, kv=kv, kv_len_local=kv_len_local):
-      # Every block's P comes from the merged log-sum-exp, and its row term from the merged
-      # output: the block gradients are the exact terms of the full gradient.
-      grads = block(config, q, *kv, out, lse, dout, dlse, q_len_local, kv_len_local)
-      return tuple(_like(g.astype(acc), x) for g, x in zip(grads, (q, k, v)))
-
-    if ring.is_causal:
-      zeros = tuple(grad_zeros(x) for x in (q, k, v))
-      bq, bk, bv = lax.switch(ring.block_kind(src),
-                              [lambda: run(ring.full), lambda: run(ring.causal), lambda: zeros])
-    else:
-      bq, bk, bv = run(ring.full)
-    dq = dq + bq
-    dkv = ring.pass_on((dkv[0] + bk, dkv[1] + bv))
+        skip = lambda: (grad_zeros(q, C), grad_zeros(k, Ck), grad_zeros(v, Ck))
+        bq, bk, bv = _switch(ring.block_kind(q_id, kv_id), lambda: run(ring.full),
+                             lambda: run(ring.causal), skip)
+        dqs[i] = dqs[i] + bq
+        dk_parts[j] = dk_parts[j] + bk
+        dv_parts[j] = dv_parts[j] + bv
+    dkv = ring.pass_on((_join(dk_parts, -3), _join(dv_parts, -3)))
     kv = next_kv
   dk, dv = dkv
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  return _join(dqs, -3).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

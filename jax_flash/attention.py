@@ -92,8 +92,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 
 
 def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
-                   query_seq_lengths=None, key_value_seq_lengths=None, return_residual=False,
-                   deterministic=None):
+                   query_seq_lengths=None, key_value_seq_lengths=None, layout="contiguous",
+                   return_residual=False, deterministic=None):
   r"""Attention over a sequence split along the mesh axis ``axis_name``, inside ``shard_map``.
 
   The key/value shards travel around the devices of ``axis_name`` while each attends its
@@ -109,6 +109,11 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
     is_causal: causal over global positions; needs ``T == S``.
     query_seq_lengths, key_value_seq_lengths: optional global lengths ``(B,)``, the same on
       every device of the ring.
+    layout: ``"contiguous"`` (device ``i`` holds chunk ``i`` of the sequence, as above) or
+      ``"zigzag"``: the sequence is cut into ``2P`` chunks and device ``i`` holds chunks ``i``
+      and ``2P - 1 - i``, in that order, so that causal attention gives every device the same
+      work. :func:`zigzag_order` puts a sequence in that order (shard the result contiguously)
+      and :func:`zigzag_restore` undoes it.
     return_residual: also return this shard's log-sum-exp ``(B, T, N)``.
 
   Returns:
@@ -126,15 +131,20 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
                       key_value_seq_lengths=key_value_seq_lengths, local_window_size=None,
                       deterministic=deterministic)
   q, k, v = call.query, call.key, call.value
+  if layout not in _ring.LAYOUTS:
+    raise ValueError(f"layout must be one of {_ring.LAYOUTS}, got {layout!r}")
   if is_causal and q.shape[1] != k.shape[1]:
     raise ValueError(f"causal ring attention needs query and key/value shards of the same "
                      f"length, got T={q.shape[1]} and S={k.shape[1]}")
+  if layout == _ring.ZIGZAG and (q.shape[1] % 2 or k.shape[1] % 2):
+    raise ValueError(f"the zigzag layout holds two chunks per device: the shard lengths must be "
+                     f"even, got T={q.shape[1]} and S={k.shape[1]}")
   try:
     size = lax.axis_size(axis_name)
   except NameError as err:
     raise ValueError(f"ring_attention must run inside shard_map over a mesh axis named "
                      f"{axis_name!r}") from err
-  ring = _ring.Ring.of(axis_name, size, call.config)
+  ring = _ring.Ring.of(axis_name, size, call.config, layout)
   out, lse = _primitive.ring_attention(ring, q, k, v, call.query_seq_lengths,
                                        call.key_value_seq_lengths)
   if call.unbatched:
@@ -142,3 +152,15 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
   if not return_residual:
     return out
   return out, jnp.swapaxes(lse, -1, -2)
+
+
+def zigzag_order(x, ring_size: int, axis: int = 1):
+  """Puts the sequence axis `axis` of `x` in the zigzag layout of :func:`ring_attention` for a
+  ring of `ring_size` devices (the length must divide into ``2 * ring_size`` chunks); shard the
+  result contiguously along that axis."""
+  return _ring.zigzag_order(x, ring_size, axis)
+
+
+def zigzag_restore(x, ring_size: int, axis: int = 1):
+  """Undoes :func:`zigzag_order`: the sequence axis back in its natural order."""
+  return _ring.zigzag_restore(x, ring_size, axis)

@@ -228,6 +228,29 @@ def test_ring_attention_causal_needs_equal_shards():
     jax_flash.ring_attention(*arrays(T=5, S=7), axis_name="sp", is_causal=True)
 
 
+def test_ring_attention_unknown_layout():
+  with pytest.raises(ValueError, match="layout"):
+    jax_flash.ring_attention(*arrays(), axis_name="sp", layout="striped")
+
+
+def test_ring_attention_zigzag_needs_even_shards():
+  with pytest.raises(ValueError, match="even"):
+    jax_flash.ring_attention(*arrays(T=5, S=7), axis_name="sp", layout="zigzag")
+
+
+def test_zigzag_order_needs_whole_chunks():
+  with pytest.raises(ValueError, match="must divide into 8 chunks"):
+    jax_flash.zigzag_order(jnp.zeros((1, 12, 2, 4)), ring_size=4)
+
+
+def test_zigzag_order_and_restore():
+  x = jnp.arange(8)[None, :, None, None] * jnp.ones((1, 8, 1, 1), jnp.int32)
+  ordered = jax_flash.zigzag_order(x, ring_size=2)
+  # Chunks of 2 tokens: device 0 holds chunks 0 and 3, device 1 chunks 1 and 2.
+  assert ordered[0, :, 0, 0].tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+  np.testing.assert_array_equal(jax_flash.zigzag_restore(ordered, ring_size=2), x)
+
+
 def test_ring_attention_checks_its_operands_like_the_call():
   q, k, v = arrays()
   with pytest.raises(ValueError, match="key"):

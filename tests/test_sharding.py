@@ -373,8 +373,9 @@ else:
     N: int = 4
     K: int = 4
     B: int = 2
-    T: int = 40  # global; a multiple of ring
+    T: int = 40  # global; a multiple of ring (of twice the ring with the zigzag layout)
     S: int = 40
+    layout: str = "contiguous"
 
   RING_SETUPS = [
       RingSetup("ring-2", 2),
@@ -386,6 +387,10 @@ else:
       RingSetup("ring-4-batch-2", 4, outer=2, is_causal=True),
       RingSetup("ring-4-heads-2", 4, outer=2, outer_heads=True, is_causal=True, lengths=True,
                 N=4, K=2),
+      RingSetup("ring-4-zigzag-causal", 4, is_causal=True, layout="zigzag"),
+      RingSetup("ring-8-zigzag-causal-lengths-gqa", 8, is_causal=True, lengths=True, N=8, K=2,
+                T=48, S=48, layout="zigzag"),
+      RingSetup("ring-2-zigzag-lengths", 2, lengths=True, T=24, S=40, layout="zigzag"),
   ]
   if PLATFORM == "gpu":
     RING_SETUPS = [dataclasses.replace(s, ring=2, outer=1, T=256, S=256)
@@ -402,8 +407,11 @@ else:
   @pytest.mark.parametrize("setup", RING_SETUPS, ids=lambda s: s.name)
   def test_check_ring_attention_equals_single_device(setup, entry):
     """jax_flash.ring_attention inside shard_map, and the plain call under jit with operands
-    sharded along the sequence (which runs the same ring)."""
+    sharded along the sequence (which runs the same ring, in the contiguous layout). With the
+    zigzag layout the sequence is put in zigzag order before the ring and restored after."""
     s = setup
+    if entry == "jit" and s.layout != "contiguous":
+      pytest.skip("jit splits the sequence in its natural, contiguous order")
     mesh = _ring_mesh(s)
     rng = np.random.default_rng(7)
     q = jnp.asarray(rng.standard_normal((s.B, s.T, s.N, HEAD_DIM)), DTYPE)
@@ -438,7 +446,7 @@ else:
       def local(q, k, v, q_len, kv_len):
         return jax_flash.ring_attention(
             q, k, v, axis_name="sp", is_causal=s.is_causal, query_seq_lengths=q_len,
-            key_value_seq_lengths=kv_len, return_residual=True)
+            key_value_seq_lengths=kv_len, layout=s.layout, return_residual=True)
       lens = (q_len, kv_len)
       specs = tuple(None if x is None else len_spec for x in lens)
       return jax.shard_map(local, mesh=mesh, in_specs=(seq_spec,) * 3 + specs,
@@ -451,7 +459,13 @@ else:
       return jax.jit(run)
 
     want = forward_and_grads(full)(q, k, v, dout, dlse)
-    got = forward_and_grads(ring)(q, k, v, dout, dlse)
+    # The zigzag layout is the caller's order of the tokens (every operand and result has its
+    # sequence on axis 1): put in before the program, undone after.
+    order, restore = ((lambda x: jax_flash.zigzag_order(x, s.ring),
+                       lambda x: jax_flash.zigzag_restore(x, s.ring))
+                      if s.layout == "zigzag" else (lambda x: x, lambda x: x))
+    args = tuple(order(x) for x in (q, k, v, dout, dlse))
+    got = tuple(restore(x) for x in forward_and_grads(ring)(*args))
     eps = float(jnp.finfo(DTYPE).eps)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
       a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -465,7 +479,7 @@ else:
       np.testing.assert_allclose(a, b, rtol=0, atol=tol, err_msg=name)
 
     # The key/value shards travel around the ring; nothing is gathered.
-    hlo = forward_and_grads(ring).lower(q, k, v, dout, dlse).compile().as_text()
+    hlo = forward_and_grads(ring).lower(*args).compile().as_text()
     found = _collective_shapes(hlo)
     assert "collective-permute" in found, found
     assert "all-gather" not in found and "all-to-all" not in found, found
@@ -546,3 +560,25 @@ else:
       a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
       np.testing.assert_allclose(a, b, rtol=0, err_msg=name,
                                  atol=2 * 4 * float(jnp.finfo(DTYPE).eps) * max(1.0, np.abs(b).max()))
+
+  def test_check_ring_benchmark_runs(tmp_path):
+    """bench/bench_ring.py end to end on 2 CPU devices (timings there mean nothing)."""
+    if PLATFORM != "cpu":
+      pytest.skip("the benchmark's smoke run is a CPU check")
+    import importlib.util
+    import sys
+
+    script = HERE.parent / "bench" / "bench_ring.py"
+    spec = importlib.util.spec_from_file_location("bench_ring", script)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    data = bench.main(["--platform", "cpu", "--devices", "1,2", "--seqlens", "256",
+                       "--modes", "fwd_bwd", "--head-dim", "16", "--heads", "2",
+                       "--iterations", "1", "--out", str(tmp_path)])
+    cells = {(r["cell"]["devices"], r["cell"]["layout"]): r for r in data["results"]}
+    assert set(cells) == {(1, "contiguous"), (2, "contiguous"), (2, "zigzag")}
+    for r in cells.values():
+      assert not r.get("error"), r
+      assert r["ms"] > 0 and r["flops_per_s_per_device"] > 0 and r["efficiency"] > 0
+    assert (tmp_path / "ring_cpu.json").exists()
