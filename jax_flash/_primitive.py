@@ -250,10 +250,11 @@ def _forward_of_derivative(config, q, k, v, bias, mask, q_len, kv_len):
 def _forward_of_derivative_jvp(config, primals, tangents):
   del config, primals, tangents
   raise NotImplementedError(
-      "jax_flash.dot_product_attention has first derivatives only (grad, vjp, value_and_grad, "
-      "and jit/vmap/checkpoint of them): its backward is a kernel that is not differentiated "
-      "again, so grad of grad, Hessian-vector products and jax.hessian are not supported. "
-      "For higher-order derivatives use jax.nn.dot_product_attention (implementation='xla').")
+      "jax_flash's attention (dot_product_attention, ring_attention) has first derivatives "
+      "only (grad, vjp, value_and_grad, and jit/vmap/checkpoint of them): its backward is a "
+      "kernel that is not differentiated again, so grad of grad, Hessian-vector products and "
+      "jax.hessian are not supported. For higher-order derivatives use "
+      "jax.nn.dot_product_attention (implementation='xla').")
 
 
 def _attention_fwd(config, q, k, v, bias, mask, q_len, kv_len):
@@ -280,6 +281,10 @@ def _ring_forward_block(config, q, k, v, q_len, kv_len):
   return _forward(config, q, k, v, None, None, q_len, kv_len)
 
 
+def _ring_forward_block_of_derivative(config, q, k, v, q_len, kv_len):
+  return _forward_of_derivative(config, q, k, v, None, None, q_len, kv_len)
+
+
 def _ring_backward_block(config, q, k, v, out, lse, dout, dlse, q_len, kv_len):
   return _backward(config, q, k, v, out, lse, dout, dlse, None, None, q_len, kv_len)[:3]
 
@@ -291,7 +296,7 @@ def ring_attention(ring: _ring.Ring, q, k, v, q_len, kv_len):
 
 
 def _ring_attention_fwd(ring, q, k, v, q_len, kv_len):
-  out, lse = _ring.forward(ring, _ring_forward_block, q, k, v, q_len, kv_len)
+  out, lse = _ring.forward(ring, _ring_forward_block_of_derivative, q, k, v, q_len, kv_len)
   return (out, lse), (q, k, v, q_len, kv_len, out, lse)
 
 

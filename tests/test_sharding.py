@@ -582,3 +582,15 @@ else:
       assert not r.get("error"), r
       assert r["ms"] > 0 and r["flops_per_s_per_device"] > 0 and r["efficiency"] > 0
     assert (tmp_path / "ring_cpu.json").exists()
+
+  def test_check_ring_second_derivative_fails_naming_jax_flash():
+    mesh = _ring_mesh(RingSetup("grad-of-grad", 2))
+    q, k, v = _ring_inputs()
+
+    def loss(q):
+      f = jax.shard_map(lambda q, k, v: jax_flash.ring_attention(q, k, v, axis_name="sp"),
+                        mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"))
+      return jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)
+
+    with pytest.raises(NotImplementedError, match="has first derivatives only"):
+      jax.grad(lambda q: jnp.sum(jax.grad(loss)(q)))(q)
