@@ -161,12 +161,6 @@ BACKWARD = _Kind(
 
 # --- axis layout -------------------------------------------------------------------------------
 
-_SEQ_OR_HEAD_DIM = {
-    "s": "query sequence axis (T)",
-    "t": "key/value sequence axis (S)",
-    "d": "head dim axis (H)",
-}
-
 
 @dataclasses.dataclass
 class _Tensor:
@@ -378,7 +372,7 @@ def _plan(kind: _Kind, spec: CallSpec, mesh, arg_shapes, result_shapes, *,
         if factor == "d" and axes:
           raise ValueError(
               f"jax_flash: the attention {kind.name} {tensor.name} (shape {tensor.shape}) is "
-              f"sharded along its {_SEQ_OR_HEAD_DIM[factor]} (array axis {axis}, mesh axes "
+              f"sharded along its head dim axis (H) (array axis {axis}, mesh axes "
               f"{axes}); the kernels need whole head vectors and jax_flash does not gather "
               "them implicitly. Replicate that axis before the call (e.g. "
               "jax.lax.with_sharding_constraint); the sharding may also have been propagated "
@@ -396,7 +390,7 @@ def _plan(kind: _Kind, spec: CallSpec, mesh, arg_shapes, result_shapes, *,
   if seq_axes and check:
     _check_ring(kind, spec, layout, mesh, seq_axes)
 
-  # The first sharded candidate of each factor wins: operands in order, then results.  # The first sharded candidate of each factor wins: operands in order, then results.
+  # The first sharded candidate of each factor wins: operands in order, then results.
   axes: dict[str, tuple[str, ...]] = {}
   used: set[str] = set(seq_axes)
   factors = [f"b{i}" for i in range(layout.rank)] + ["heads"]
