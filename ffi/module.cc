@@ -53,6 +53,7 @@ nb::dict BuildInfo() {
 #else
   info["cuda"] = false;
 #endif
+  info["cuda_status"] = JAX_FLASH_BUILD_CUDA_STATUS;
   return info;
 }
 

@@ -51,7 +51,8 @@ _check_jaxlib_version()
 
 
 def build_info() -> dict:
-  """How the extension was built: jaxlib version, XLA FFI API version, CUDA handlers."""
+  """How the extension was built: jaxlib version, XLA FFI API version, whether the CUDA
+  handlers were built (`cuda`) and, in words, why not (`cuda_status`)."""
   return dict(_BUILD_INFO)
 
 

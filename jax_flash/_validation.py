@@ -143,8 +143,9 @@ def _deterministic(deterministic) -> bool:
 def _check_gpu_support(query: jax.Array, head_dim: int) -> None:
   if not _extension.cuda_built():
     raise NotImplementedError(
-        "jax_flash was built without its CUDA handlers but jax's default backend is the GPU; "
-        "reinstall with nvcc and nvidia-cutlass available (JAX_FLASH_CUDA=ON, see README)")
+        "jax_flash was built without its CUDA handlers but jax's default backend is the GPU "
+        f"(CUDA handlers {_extension.build_info()['cuda_status']}); reinstall with nvcc and "
+        "nvidia-cutlass available (JAX_FLASH_CUDA=ON, see README)")
   if query.dtype not in _config.GPU_DTYPES:
     raise NotImplementedError(
         f"query dtype {query.dtype} is not supported on the GPU; supported: "

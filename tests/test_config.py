@@ -96,6 +96,8 @@ def test_gpu_available_matches_the_devices():
 def test_build_info():
   info = jax_flash.build_info()
   assert info["cuda"] == _extension.cuda_built()
+  # Says in words whether the CUDA handlers were built, and why not.
+  assert info["cuda_status"].startswith("built" if info["cuda"] else "not built: ")
   assert isinstance(info["jaxlib_version"], str) and info["jaxlib_version"]
   major, minor = info["xla_ffi_api_version"]
   assert major >= 0 and minor >= 0
