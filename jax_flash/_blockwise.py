@@ -50,6 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import _config
+
 # Rows whose saved lse has at least this magnitude get P renormalised in the backward: from there
 # on, the rounding of lse alone (half an ulp) shifts every exp(S - lse) of the row by 64 units of
 # roundoff or more (the CPU kernels use the same rule).
@@ -59,9 +61,6 @@ BLOCK_K_MIN = 16
 BLOCK_K_MULTIPLE = 16
 LOGITS_BUDGET_BYTES = 256 << 20
 
-
-def _acc_dtype(dtype) -> np.dtype:
-  return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -109,7 +108,7 @@ class _Plan:
     self.B, self.T, self.N, self.H, self.S, self.K = B, T, N, H, S, K
     self.G = N // K
     self.config = config
-    self.acc = _acc_dtype(q.dtype)
+    self.acc = _config.accumulation_dtype(q.dtype)
     self.s_eff = _visited_keys(config, T, S)
     if block_k is None:
       bk = block_size(B, N, T, self.s_eff, self.acc.itemsize)
@@ -214,7 +213,8 @@ def _row_live(q_len, plan):
 
 def _empty_forward(q):
   B, T, N, _ = q.shape
-  return (jnp.zeros(q.shape, q.dtype), jnp.full((B, N, T), -jnp.inf, _acc_dtype(q.dtype)))
+  return (jnp.zeros(q.shape, q.dtype),
+          jnp.full((B, N, T), -jnp.inf, _config.accumulation_dtype(q.dtype)))
 
 
 def forward(config, q, k, v, bias, mask, q_len, kv_len, *, block_k=None):

@@ -16,6 +16,12 @@ import numpy as np
 _TABLE = json.loads((pathlib.Path(__file__).with_name("kernel_configs.json")).read_text())
 
 
+def accumulation_dtype(dtype) -> np.dtype:
+  """The dtype every kernel and path accumulates in, and of the log-sum-exp: float64 for
+  float64 inputs, float32 for every other dtype."""
+  return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class Sm90ForwardTile:
   head_dim: int

@@ -45,9 +45,6 @@ from . import _blockwise, _config, _extension, _ring, _sharding
 from ._validation import AttentionConfig
 
 
-def lse_dtype(dtype) -> np.dtype:
-  return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
-
 
 def _attributes(config: AttentionConfig, bias, mask, q_len, kv_len) -> dict:
   # XLA FFI attributes are typed exactly: float64 scale, int64 windows, bool flags.
@@ -87,7 +84,7 @@ def _forward_call(config, q, k, v, bias, mask, q_len, kv_len):
   batch = _batch_shape(q, k, v, bias, mask, q_len, kv_len)
   T, N, _ = q.shape[-3:]
   result_types = (jax.ShapeDtypeStruct(batch + q.shape[-3:], q.dtype),
-                  jax.ShapeDtypeStruct(batch + (N, T), lse_dtype(q.dtype)))
+                  jax.ShapeDtypeStruct(batch + (N, T), _config.accumulation_dtype(q.dtype)))
   call = jax.ffi.ffi_call(_extension.FORWARD_TARGET, result_types, vmap_method="expand_dims")
   return tuple(call(q, k, v, *_present(bias, mask, q_len, kv_len),
                     **_attributes(config, bias, mask, q_len, kv_len)))

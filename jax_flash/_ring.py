@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import _config
 from ._validation import AttentionConfig
 
 # Which kernel a (query chunk, key/value chunk) block runs under causal attention.
@@ -98,21 +99,22 @@ class Ring:
     return jax.tree.map(lambda x: lax.ppermute(x, self.axis_name, perm), tree)
 
 
+def _zigzag_chunks(ring_size: int) -> list[int]:
+  """The global chunks in zigzag order: device d's two, d and 2P - 1 - d, device after device."""
+  return [c for d in range(ring_size) for c in (d, 2 * ring_size - 1 - d)]
+
+
 def zigzag_order(x, ring_size: int, axis: int = 1):
   """Reorders the sequence axis `axis` of `x` (length divisible by 2 * ring_size) into the
   zig-zag layout: 2P chunks, device d's contiguous slice holding chunks d and 2P - 1 - d.
   Under causal attention every device then has the same work."""
-  P = ring_size
-  order = [c for d in range(P) for c in (d, 2 * P - 1 - d)]
-  return _permute_chunks(x, order, 2 * P, axis)
+  return _permute_chunks(x, _zigzag_chunks(ring_size), 2 * ring_size, axis)
 
 
 def zigzag_restore(x, ring_size: int, axis: int = 1):
   """The inverse of zigzag_order."""
-  P = ring_size
-  order = [c for d in range(P) for c in (d, 2 * P - 1 - d)]
-  inverse = [order.index(c) for c in range(2 * P)]
-  return _permute_chunks(x, inverse, 2 * P, axis)
+  order = _zigzag_chunks(ring_size)
+  return _permute_chunks(x, [order.index(c) for c in range(2 * ring_size)], 2 * ring_size, axis)
 
 
 def _permute_chunks(x, order, count: int, axis: int):
@@ -124,9 +126,6 @@ def _permute_chunks(x, order, count: int, axis: int):
   chunks = jnp.split(x, count, axis=axis)
   return jnp.concatenate([chunks[c] for c in order], axis=axis)
 
-
-def _acc_dtype(dtype) -> np.dtype:
-  return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
 
 def _like(x, ref):
@@ -178,7 +177,7 @@ def forward(ring: Ring, block: ForwardBlock, q, k, v, q_len, kv_len):
   me = ring.index()
   N = q.shape[-2]
   C, Ck = q.shape[-3] // ring.chunks, k.shape[-3] // ring.chunks  # chunk lengths
-  acc = _acc_dtype(q.dtype)
+  acc = _config.accumulation_dtype(q.dtype)
   # Results have the problem's full batch shape, also where q broadcasts over a batch axis.
   batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
   out_shape, lse_shape = batch + (C,) + q.shape[-2:], batch + (N, C)
@@ -215,7 +214,7 @@ def backward(ring: Ring, block: BackwardBlock, q, k, v, out, lse, dout, dlse, q_
   over a batch axis (jax sums them over it)."""
   me = ring.index()
   C, Ck = q.shape[-3] // ring.chunks, k.shape[-3] // ring.chunks
-  acc = _acc_dtype(q.dtype)
+  acc = _config.accumulation_dtype(q.dtype)
   batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
 
   def grad_zeros(x, rows):

@@ -87,7 +87,7 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _ring
+from . import _config, _ring
 from ._validation import AttentionConfig
 
 # --- static description of one call ------------------------------------------------------------
@@ -449,7 +449,7 @@ def _lower_fn(kind: _Kind, spec: CallSpec, plan: _Plan, impl: Callable):
           local = results[j]
           full_shape = list(local.shape)
           full_shape[layout.rank + 1] = layout.K
-          acc = _acc_dtype(local.dtype)
+          acc = _config.accumulation_dtype(local.dtype)
           full = lax.dynamic_update_slice_in_dim(
               lax.full(full_shape, 0, acc), local.astype(acc), head, axis=layout.rank + 1)
           results[j] = lax.psum(full, heads_axes).astype(local.dtype)
@@ -458,7 +458,7 @@ def _lower_fn(kind: _Kind, spec: CallSpec, plan: _Plan, impl: Callable):
         axes = plan.broadcast_axes(bias_grad)
         if axes:
           dbias = results[3]
-          acc = _acc_dtype(dbias.dtype)
+          acc = _config.accumulation_dtype(dbias.dtype)
           results[3] = lax.psum(dbias.astype(acc), axes).astype(dbias.dtype)
     return tuple(results)
 
@@ -491,9 +491,6 @@ def _ring_call(kind: _Kind, spec: CallSpec, plan: _Plan, impl: Callable, operand
   grads = _ring.backward(ring, backward_block, q, k, v, out, lse, dout, dlse, q_len, kv_len)
   return grads + (None,)  # no bias, no bias gradient
 
-
-def _acc_dtype(dtype):
-  return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
 
 def partitioned(kind: _Kind, impl: Callable) -> custom_partitioning:

@@ -6,8 +6,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _primitive, _ring
+from . import _config, _primitive, _ring
 from ._validation import canonicalize
+
+
+def _results(call, out, lse, return_residual: bool):
+  """The public results from (out (B, T, N, H), lse (B, N, T)): the batch axis dropped again
+  for an unbatched call, lse shaped like the query without its last axis."""
+  if call.unbatched:
+    out, lse = out[0], lse[0]
+  if not return_residual:
+    return out
+  return out, jnp.swapaxes(lse, -1, -2)
 
 
 #: Values of ``implementation`` that hand the call to jax.nn.dot_product_attention.
@@ -80,15 +90,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   if B == 0 or T == 0 or call.key.shape[1] == 0:
     # Nothing to compute, or no key at all: every row is empty.
     out = jnp.zeros(q.shape, q.dtype)
-    lse = jnp.full((B, N, T), -jnp.inf, _primitive.lse_dtype(q.dtype))
+    lse = jnp.full((B, N, T), -jnp.inf, _config.accumulation_dtype(q.dtype))
   else:
     out, lse = _primitive.attention(call.config, q, call.key, call.value, call.bias, call.mask,
                                     call.query_seq_lengths, call.key_value_seq_lengths)
-  if call.unbatched:
-    out, lse = out[0], lse[0]
-  if not return_residual:
-    return out
-  return out, jnp.swapaxes(lse, -1, -2)
+  return _results(call, out, lse, return_residual)
 
 
 def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
@@ -147,11 +153,7 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
   ring = _ring.Ring.of(axis_name, size, call.config, layout)
   out, lse = _primitive.ring_attention(ring, q, k, v, call.query_seq_lengths,
                                        call.key_value_seq_lengths)
-  if call.unbatched:
-    out, lse = out[0], lse[0]
-  if not return_residual:
-    return out
-  return out, jnp.swapaxes(lse, -1, -2)
+  return _results(call, out, lse, return_residual)
 
 
 def zigzag_order(x, ring_size: int, axis: int = 1):
