@@ -7,6 +7,9 @@ once and compared with jax_flash's result (max abs difference of the output, and
   jax_flash    jax_flash.dot_product_attention(q, k, v, is_causal=...)
   jax_flash_det  the same with deterministic=True (ordered dQ reduction in the Hopper backward;
                not a peer: excluded from ours/best; opt-in with --impls)
+  jax_flash_softcap  the same with logits_soft_cap=--softcap (default 50, Gemma 2's): the cost
+               of soft-capping next to jax_flash in one run. A different function, so not
+               compared with jax_flash's result and not a peer; no peer soft-caps. Opt-in.
   xla          jax.nn.dot_product_attention(..., implementation='xla'); skipped when one head's
                T x S float32 logits exceed --xla-max-logits-mib
   cudnn        jax.nn.dot_product_attention(..., implementation='cudnn')             (GPU only)
@@ -54,6 +57,10 @@ rather than the source tree's package):
       --causal yes --impls jax_flash,cudnn,fa3
   python bench/bench_attention.py --plot-only bench/out/gpu_fwd_gpu.json
 
+  # Soft-capped against uncapped jax_flash
+  python bench/bench_attention.py --platform gpu --grid gpu --mode fwd_bwd \
+      --impls jax_flash,jax_flash_softcap --softcap 50
+
   # Smoke run (seconds, CPU)
   python bench/bench_attention.py --platform cpu --grid smoke
 
@@ -82,13 +89,15 @@ if __package__:
 else:  # run as a script: this file's directory is on sys.path
   import configs
 
-IMPLS = ("jax_flash", "jax_flash_det", "cudnn", "xla", "pallas_mgpu", "fa3")
-OURS = ("jax_flash", "jax_flash_det")  # never counted as peers
+IMPLS = ("jax_flash", "jax_flash_det", "cudnn", "xla", "pallas_mgpu", "fa3", "jax_flash_softcap")
+OURS = ("jax_flash", "jax_flash_det", "jax_flash_softcap")  # never counted as peers
+NAME_WIDTH = max(len(n) for n in IMPLS)  # of the implementations' names in the log
 DEFAULT_IMPLS = {"cpu": ("jax_flash", "xla"),
                  "gpu": ("jax_flash", "cudnn", "xla", "pallas_mgpu", "fa3")}
 GPU_ONLY = ("cudnn", "pallas_mgpu", "fa3")
 REFERENCE = "jax_flash"
 DEFAULT_ITERATIONS = {"cpu": 5, "gpu": 20}
+DEFAULT_SOFTCAP = 50.0  # jax_flash_softcap's cap: Gemma 2's attention logit cap
 DEFAULT_OUT = Path(__file__).resolve().parent / "out"
 # Max abs difference from jax_flash beyond which a result is flagged as suspect (or a NaN/Inf).
 DIFF_TOLERANCE = {"float64": 1e-8, "float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}
@@ -131,6 +140,7 @@ class Prepared:
   dtype: str  # dtype of the inputs the implementation runs on
   q_scale: float = 1.0  # the implementation receives q * q_scale (its dq is scaled back to compare)
   config: dict | None = None  # implementation settings worth recording
+  softcap: float | None = None  # soft-capped logits: another function than the reference's
 
 
 def _require_gpu(platform: str) -> None:
@@ -139,7 +149,7 @@ def _require_gpu(platform: str) -> None:
 
 
 def build_jax_flash(shape: configs.Shape, platform: str, mode: str,
-                    deterministic: bool = False) -> Prepared:
+                    deterministic: bool = False, softcap: float | None = None) -> Prepared:
   import jax_flash
   from jax_flash import _extension
 
@@ -150,12 +160,20 @@ def build_jax_flash(shape: configs.Shape, platform: str, mode: str,
                   backward_workspace_bytes=_extension.backward_workspace_bytes(
                       shape.batch, shape.q_len, shape.heads, shape.head_dim, shape.dtype,
                       deterministic))
+  if softcap is not None:
+    config = dict(config or {}, logits_soft_cap=softcap)
   return Prepared(lambda q, k, v: jax_flash.dot_product_attention(
-      q, k, v, is_causal=causal, deterministic=deterministic), shape.dtype, config=config)
+      q, k, v, is_causal=causal, deterministic=deterministic, logits_soft_cap=softcap),
+      shape.dtype, config=config, softcap=softcap)
 
 
 def build_jax_flash_det(shape: configs.Shape, platform: str, mode: str) -> Prepared:
   return build_jax_flash(shape, platform, mode, deterministic=True)
+
+
+def build_jax_flash_softcap(shape: configs.Shape, platform: str, mode: str,
+                            softcap: float = DEFAULT_SOFTCAP) -> Prepared:
+  return build_jax_flash(shape, platform, mode, softcap=softcap)
 
 
 def _jax_nn(implementation: str, shape: configs.Shape) -> Callable:
@@ -219,6 +237,7 @@ def build_fa3(shape: configs.Shape, platform: str, mode: str) -> Prepared:
 BUILDERS: dict[str, Callable[[configs.Shape, str, str], Prepared]] = {
     "jax_flash": build_jax_flash,
     "jax_flash_det": build_jax_flash_det,
+    "jax_flash_softcap": build_jax_flash_softcap,
     "xla": build_xla,
     "cudnn": build_cudnn,
     "pallas_mgpu": build_pallas_mgpu,
@@ -345,6 +364,14 @@ class Options:
   warmup: int
   xla_max_logits_mib: float
   seed: int
+  softcap: float = DEFAULT_SOFTCAP  # the cap of jax_flash_softcap
+
+
+def build(name: str, shape: configs.Shape, opts: Options) -> Prepared:
+  """BUILDERS[name] for this run's options (the cap of jax_flash_softcap)."""
+  if name == "jax_flash_softcap":
+    return build_jax_flash_softcap(shape, opts.platform, opts.mode, softcap=opts.softcap)
+  return BUILDERS[name](shape, opts.platform, opts.mode)
 
 
 class CellInputs:
@@ -456,13 +483,13 @@ def run_cell(shape: configs.Shape, opts: Options, key) -> dict:
                       logits_mib_per_head=shape.logits_bytes_per_head() / 2**20)
         if opts.platform == "cpu":
           # Compiling costs no memory: record what the run would have needed.
-          prep = BUILDERS[name](shape, opts.platform, opts.mode)
+          prep = build(name, shape, opts)
           specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in inputs.args(prep.dtype)]
           compiled = jax.jit(make_timed(prep.fn, opts.mode)).lower(*specs).compile()
           result["memory"] = memory_stats(compiled)
         continue
 
-      prep = BUILDERS[name](shape, opts.platform, opts.mode)
+      prep = build(name, shape, opts)
       result["dtype"] = prep.dtype
       if prep.config:
         result["config"] = prep.config
@@ -482,6 +509,9 @@ def run_cell(shape: configs.Shape, opts: Options, key) -> dict:
         references.setdefault(prep.dtype, outputs)
         result["max_abs_diff"] = None
         result["diff_note"] = "reference"
+      elif prep.softcap is not None:
+        result["max_abs_diff"] = None
+        result["diff_note"] = f"soft-capped at {prep.softcap:g}: not compared with {REFERENCE}"
       elif (ref := reference(prep.dtype)) is not None:
         diffs = compare(outputs, ref, prep.q_scale, opts.mode)
         result["max_abs_diff"] = {k: finite_or_str(v) for k, v in diffs.items()}
@@ -563,7 +593,7 @@ def _log_result(name: str, r: dict, platform: str) -> None:
     mem_text = (f"  mem temp/args/out {mem['temp_bytes'] / 2**20:.1f}/"
                 f"{mem['argument_bytes'] / 2**20:.1f}/{mem['output_bytes'] / 2**20:.1f} MiB"
                 if {"temp_bytes", "argument_bytes", "output_bytes"} <= mem.keys() else "")
-    log(f"    {name:<12} {r['ms']:10.3f} ms  {r['flops_per_s'] / scale:9.2f} {unit}  "
+    log(f"    {name:<{NAME_WIDTH}} {r['ms']:10.3f} ms  {r['flops_per_s'] / scale:9.2f} {unit}  "
         f"[{r['dtype']}, {r['timer']}, compile {r['compile_s']:.1f} s]{mem_text}  {diff_text}"
         + ("  SUSPECT" if r.get("suspect") else ""))
   else:
@@ -574,7 +604,7 @@ def _log_result(name: str, r: dict, platform: str) -> None:
       if "temp_bytes" in mem:
         extra += f"; compiled temp {mem['temp_bytes'] / 2**30:.1f} GiB"
       extra += ")"
-    log(f"    {name:<12} {r.get('status')}{extra}")
+    log(f"    {name:<{NAME_WIDTH}} {r.get('status')}{extra}")
 
 
 def ratio_vs_best_peer(results: dict) -> tuple[float | None, str | None]:
@@ -614,8 +644,9 @@ def table_lines(data: dict) -> list[str]:
   meta = data["metadata"]
   impls = meta["impls"]
   unit, scale = throughput_unit(meta["platform"])
+  width = {n: max(12, len(n)) for n in impls}  # of each implementation's column
   head = f"{'H':>4} {'T':>6} {'causal':>6} {'B':>4} {'N':>4} | " + " ".join(
-      f"{n:>12}" for n in impls) + f" | {'ours/best':>9} {'best peer':>12}"
+      f"{n:>{width[n]}}" for n in impls) + f" | {'ours/best':>9} {'best peer':>12}"
   lines = [f"{unit}, mode {meta['mode']}, {meta['device_kind']}", head, "-" * len(head)]
   for cell in data["cells"]:
     s = cell["shape"]
@@ -623,7 +654,7 @@ def table_lines(data: dict) -> list[str]:
     lines.append(
         f"{s['head_dim']:>4} {s['q_len']:>6} {('yes' if s['causal'] else 'no'):>6} "
         f"{s['batch']:>4} {s['heads']:>4} | "
-        + " ".join(f"{format_value(cell['results'].get(n), scale):>12}" for n in impls)
+        + " ".join(f"{format_value(cell['results'].get(n), scale):>{width[n]}}" for n in impls)
         + f" | {(f'{ratio:.2f}' if ratio is not None else '-'):>9} {cell.get('best_peer') or '-':>12}")
   mem_rows = []
   for cell in data["cells"]:
@@ -632,12 +663,13 @@ def table_lines(data: dict) -> list[str]:
       s = cell["shape"]
       mem_rows.append(f"{s['head_dim']:>4} {s['q_len']:>6} {('yes' if s['causal'] else 'no'):>6} "
                       f"{s['batch']:>4} {s['heads']:>4} | " + " ".join(
-                          f"{(f'{t / 2**20:.1f}' if t is not None else '-'):>12}" for t in temps))
+                          f"{(f'{t / 2**20:.1f}' if t is not None else '-'):>{width[n]}}"
+                          for n, t in zip(impls, temps)))
   if mem_rows:
     lines += ["", "XLA temp buffers of the compiled function, MiB (memory_analysis; includes "
               "jax_flash's GPU backward workspace)",
               head.split(" | ")[0] + " | " +
-              " ".join(f"{n:>12}" for n in impls)] + mem_rows
+              " ".join(f"{n:>{width[n]}}" for n in impls)] + mem_rows
   errors: dict[tuple[str, str], int] = {}
   for cell in data["cells"]:
     for n, r in cell["results"].items():
@@ -676,7 +708,7 @@ def plot(data: dict, path: Path) -> None:
     return
   fig, axes = plt.subplots(len(head_dims), len(causals), squeeze=False,
                            figsize=(5.5 * len(causals), 3.8 * len(head_dims)))
-  markers = dict(zip(IMPLS, "oxsD^v"))
+  markers = dict(zip(IMPLS, "oxsD^v*"))
   colors = {name: f"C{i}" for i, name in enumerate(IMPLS)}
   for i, h in enumerate(head_dims):
     for j, c in enumerate(causals):
@@ -745,6 +777,7 @@ def metadata(args, grid: configs.Grid, opts: Options) -> dict:
       "warmup": opts.warmup,
       "xla_max_logits_mib_per_head": opts.xla_max_logits_mib,
       "seed": opts.seed,
+      "softcap": opts.softcap if "jax_flash_softcap" in opts.impls else None,
       "flops": "forward 4*B*N*T*S*H (halved when causal); fwd_bwd 3.5x forward",
       "timing": ("GPU: CUPTI kernel time per call, median" if opts.platform == "gpu"
                  else "CPU: wall clock per call (block_until_ready), median"),
@@ -813,6 +846,9 @@ def parse_args(argv=None):
                  help="skip 'xla' when one head's T x S float32 logits exceed this many MiB "
                       "(default: 512, which skips T = S >= 16384)")
   p.add_argument("--seed", type=int, default=0, help="input random seed (default: 0)")
+  p.add_argument("--softcap", type=float, default=DEFAULT_SOFTCAP, metavar="CAP",
+                 help="logits_soft_cap of jax_flash_softcap (default: 50, Gemma 2's); add "
+                      "jax_flash_softcap to --impls to time it next to jax_flash")
   p.add_argument("--resume", action="store_true",
                  help="keep the cells already in this run's JSON file and run only the others")
   p.add_argument("--no-plot", action="store_true", help="write no PNG")
@@ -875,7 +911,8 @@ def main(argv=None) -> dict | None:
                        seqlens=configs.parse_ints(args.seqlens), causal=causal, dtype=args.dtype)
   opts = Options(platform=platform, mode=args.mode, impls=impls,
                  iterations=args.iterations or grid.iterations or DEFAULT_ITERATIONS[platform],
-                 warmup=args.warmup, xla_max_logits_mib=args.xla_max_logits_mib, seed=args.seed)
+                 warmup=args.warmup, xla_max_logits_mib=args.xla_max_logits_mib, seed=args.seed,
+                 softcap=args.softcap)
 
   out_dir = Path(args.out) if args.out else DEFAULT_OUT
   out_dir.mkdir(parents=True, exist_ok=True)

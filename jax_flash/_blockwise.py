@@ -8,12 +8,14 @@ The same contract as the FFI calls in `_primitive` (`forward` mirrors `_forward_
   (B,) int32.
 
 Semantics (those of the kernels, see ffi/common/attention_params.h):
-  logits = scale * q.k + bias, with products accumulated in float32 (float64 for float64
-  problems); key j is visible to query i iff (left < 0 or j >= i - left) and (right < 0 or
-  j <= i + right) and j < kv_len[b] and mask and i < q_len[b]. The softmax runs over the visible
-  keys only; a row that sees no key, or whose visible logits are all -inf, gives output 0 and
-  lse -inf. The backward takes the lse cotangent: D = rowsum(dout * out) - dlse,
-  dS = P * (dP - D).
+  x = scale * q.k, with products accumulated in float32 (float64 for float64 problems);
+  logits = softcap * tanh(x / softcap) + bias with soft-capping (config.softcap > 0), else
+  x + bias, in the accumulation dtype; key j is visible to query i iff (left < 0 or
+  j >= i - left) and (right < 0 or j <= i + right) and j < kv_len[b] and mask and i < q_len[b].
+  The softmax runs over the visible keys only; a row that sees no key, or whose visible logits
+  are all -inf, gives output 0 and lse -inf. The backward takes the lse cotangent:
+  D = rowsum(dout * out) - dlse, dS = P * (dP - D), which is the bias gradient; dq and dk take
+  dS times the soft-cap's derivative 1 - tanh(x / softcap)^2.
 
 Structure. Nothing of size T x S per head is ever formed. The key axis is cut into blocks of
 `block_k` keys and a `lax.scan` walks them:
@@ -33,10 +35,11 @@ never visible and are not visited at all.
 Block rule (`block_size`): the largest power of two block_k <= 512 whose float32 logits block
 (B, N, T, block_k) fits in 256 MiB, but not below 16; then the blocks are evened out
 (block_k = ceil(S / ceil(S / block_k)) rounded up to a multiple of 16, at most S). A forward step
-holds about two such blocks (logits, P), a backward step about four (logits, P, dP, dS). Large
-blocks matter on the GPU, where each scan step costs several kernel launches: at
-(1, 16384, 16, 64) bfloat16 on an H200, blocks of 512 keys ran the forward 2.2x faster than
-blocks of 64. Under vmap the budget applies per mapped element.
+holds about two such blocks (logits, P), a backward step about four (logits, P, dP, dS; five
+with soft-capping, which keeps its derivative). Large blocks matter on the GPU, where each scan
+step costs several kernel launches: at (1, 16384, 16, 64) bfloat16 on an H200, blocks of 512
+keys ran the forward 2.2x faster than blocks of 64. Under vmap the budget applies per mapped
+element.
 
 Matmul operands stay in the input dtype (P and dS are rounded to it before their matmuls, as in
 the GPU kernels); every product accumulates in float32 (float64 for float64 inputs). float32 and
@@ -144,14 +147,23 @@ class _Plan:
       x = lax.dynamic_slice_in_dim(x, start, self.bk, axis=3)
     return self._five(x)
 
-  def logits(self, qt, kb, start):
-    """Scaled, biased logits of one block, (B, K, G, T, bk), in the accumulation dtype."""
+  def logits(self, qt, kb, start, *, derivative=False):
+    """Scaled, soft-capped, biased logits of one block, (B, K, G, T, bk), in the accumulation
+    dtype. With `derivative` the pair (logits, d capped / d scaled logit): 1 - tanh^2 of the
+    soft-cap's argument, or None without soft-capping."""
     s = _dot("bkmh,bksh->bkms", qt, kb, self.acc)
     s = s * jnp.asarray(self.config.scale, self.acc)
     s = s.reshape(self.B, self.K, self.G, self.T, self.bk)
+    slope = None
+    if self.config.softcap > 0:
+      cap = jnp.asarray(self.config.softcap, self.acc)
+      t = jnp.tanh(s / cap)
+      s = cap * t
+      if derivative:
+        slope = 1 - t * t
     if self.bias is not None:
       s = s + self.block_of(self.bias, start).astype(self.acc)
-    return s
+    return (s, slope) if derivative else s
 
   def visible(self, j, start):
     """Key visibility of one block, broadcastable to (B, K, G, T, bk); None if all visible."""
@@ -321,7 +333,7 @@ def backward(config, q, k, v, bias, mask, q_len, kv_len, out, lse, dout, dlse, *
     start = plan.start(j)
     kb = lax.dynamic_slice_in_dim(kt, start, bk, axis=2)
     vb = lax.dynamic_slice_in_dim(vt, start, bk, axis=2)
-    s = plan.logits(qt, kb, start)
+    s, slope = plan.logits(qt, kb, start, derivative=True)
     vis = plan.visible(j, start)
     vis = row_live[..., None] if vis is None else vis & row_live[..., None]
     p = jnp.exp(s - lse[..., None])
@@ -329,9 +341,10 @@ def backward(config, q, k, v, bias, mask, q_len, kv_len, out, lse, dout, dlse, *
       p = p * norm[..., None]
     p = jnp.where(vis, p, zero)
     dp = _dot("bkmh,bksh->bkms", dot, vb, acc).reshape(B, K, G, T, bk)
-    ds = jnp.where(vis, p * (dp - d[..., None]), zero)
+    ds = jnp.where(vis, p * (dp - d[..., None]), zero)  # the gradient of the biased logits
+    dx = ds if slope is None else ds * slope  # ... and of the scaled ones
     p = p.reshape(B, K, M, bk)
-    ds_c = ds.reshape(B, K, M, bk).astype(q.dtype)
+    ds_c = dx.reshape(B, K, M, bk).astype(q.dtype)
     dv_b = _dot("bkms,bkmh->bksh", p.astype(q.dtype), dot, acc).astype(v.dtype)
     dk_b = (_dot("bkms,bkmh->bksh", ds_c, qt, acc)
             * jnp.asarray(config.scale, acc)).astype(k.dtype)

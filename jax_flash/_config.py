@@ -46,13 +46,16 @@ class Sm90BackwardTile:
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-  """One compiled kernel: its tiles and the optional logit arrays ("bias", "mask") it reads."""
+  """One compiled kernel: its tiles and its optional features: the logit arrays it reads
+  ("bias", "mask") and whether it soft-caps logits ("softcap")."""
   tiles: tuple
   features: frozenset
 
-  def takes(self, *, bias: bool, mask: bool) -> bool:
-    """Whether a call with (or without) bias and mask arrays runs on this kernel."""
-    return (not bias or "bias" in self.features) and (not mask or "mask" in self.features)
+  def takes(self, *, bias: bool, mask: bool, softcap: bool) -> bool:
+    """Whether a call with (or without) bias and mask arrays and logit soft-capping runs on
+    this kernel."""
+    wanted = (("bias", bias), ("mask", mask), ("softcap", softcap))
+    return all(not used or name in self.features for name, used in wanted)
 
 
 def _dtype(name: str) -> np.dtype:

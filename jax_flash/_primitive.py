@@ -21,10 +21,11 @@ Layers, outermost first:
                  runs the call on its shard (batch and head sharding; see _sharding.py).
   platform routing  `_forward_impl` / `_backward_impl`: the CPU runs both passes in the C++
                  kernels. On CUDA the Hopper kernels run both passes; a call with a bias or
-                 mask array that a kernel does not read (its "features" in
-                 kernel_configs.json) runs that pass through the blockwise JAX path instead
-                 (_blockwise.py, same semantics, O(T * block) memory). The platform is chosen
-                 per lowering (lax.platform_dependent), not at trace time.
+                 mask array that a kernel does not read, or with logit soft-capping that it
+                 does not apply (its "features" in kernel_configs.json), runs that pass
+                 through the blockwise JAX path instead (_blockwise.py, same semantics,
+                 O(T * block) memory). The platform is chosen per lowering
+                 (lax.platform_dependent), not at trace time.
 
 All layers below the custom_vjp take operands with any number r >= 1 of leading batch axes
 (q (batch..., T, N, H), bias (batch..., N|1, T|1, S|1), lengths (batch...)); every batch axis
@@ -47,9 +48,10 @@ from ._validation import AttentionConfig
 
 
 def _attributes(config: AttentionConfig, bias, mask, q_len, kv_len) -> dict:
-  # XLA FFI attributes are typed exactly: float64 scale, int64 windows, bool flags.
+  # XLA FFI attributes are typed exactly: float64 scale and softcap, int64 windows, bool flags.
   return dict(
       scale=np.float64(config.scale),
+      softcap=np.float64(config.softcap),
       window_left=np.int64(config.window_left),
       window_right=np.int64(config.window_right),
       has_bias=bias is not None,
@@ -160,9 +162,10 @@ def _blockwise_backward(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len
 # --- platform routing --------------------------------------------------------------------------
 
 
-def _on_gpu_kernel(kernel: _config.Kernel, kernel_call, blockwise_call, bias, mask):
-  """The Hopper kernel's call when it reads the call's optional arrays, else the blockwise one."""
-  if kernel.takes(bias=bias is not None, mask=mask is not None):
+def _on_gpu_kernel(kernel: _config.Kernel, kernel_call, blockwise_call, config, bias, mask):
+  """The Hopper kernel's call when it reads the call's optional arrays and applies its logit
+  soft-capping, else the blockwise one."""
+  if kernel.takes(bias=bias is not None, mask=mask is not None, softcap=config.softcap > 0):
     return kernel_call
   return blockwise_call
 
@@ -170,7 +173,7 @@ def _on_gpu_kernel(kernel: _config.Kernel, kernel_call, blockwise_call, bias, ma
 def _forward_impl(spec: _sharding.CallSpec, q, k, v, bias, mask, q_len, kv_len):
   config = spec.config
   cuda = _on_gpu_kernel(_config.SM90_FORWARD, functools.partial(_forward_call, config),
-                        functools.partial(_blockwise_forward, config), bias, mask)
+                        functools.partial(_blockwise_forward, config), config, bias, mask)
   return tuple(lax.platform_dependent(q, k, v, bias, mask, q_len, kv_len,
                                       cpu=functools.partial(_forward_call, config), cuda=cuda))
 
@@ -180,7 +183,7 @@ def _backward_impl(spec: _sharding.CallSpec, q, k, v, out, lse, dout, dlse, bias
   config = spec.config
   cuda = _on_gpu_kernel(_config.SM90_BACKWARD,
                         functools.partial(_backward_call, config, gpu_workspace=True),
-                        functools.partial(_blockwise_backward, config), bias, mask)
+                        functools.partial(_blockwise_backward, config), config, bias, mask)
   return tuple(lax.platform_dependent(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len,
                                       cpu=functools.partial(_backward_call, config), cuda=cuda))
 

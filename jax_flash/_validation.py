@@ -28,6 +28,7 @@ class AttentionConfig:
   window_left: int  # -1: unbounded
   window_right: int  # -1: unbounded; causal is window_right == 0
   deterministic: bool = False  # the GPU backward adds its dQ partial sums in a fixed order
+  softcap: float = 0.0  # > 0: scaled logits x become softcap * tanh(x / softcap); 0: off
 
 
 @dataclasses.dataclass
@@ -140,6 +141,19 @@ def _deterministic(deterministic) -> bool:
   return bool(deterministic)
 
 
+def _softcap(logits_soft_cap) -> float:
+  if logits_soft_cap is None:
+    return 0.0
+  if not isinstance(logits_soft_cap, numbers.Real) or isinstance(logits_soft_cap, bool):
+    raise TypeError(f"logits_soft_cap must be a static Python number or None, got "
+                    f"{type(logits_soft_cap).__name__}")
+  cap = float(logits_soft_cap)
+  if not (math.isfinite(cap) and cap > 0):
+    raise ValueError(f"logits_soft_cap must be finite and positive (None turns soft-capping "
+                     f"off), got {logits_soft_cap!r}")
+  return cap
+
+
 def _check_gpu_support(query: jax.Array, head_dim: int) -> None:
   if not _extension.cuda_built():
     raise NotImplementedError(
@@ -158,7 +172,8 @@ def _check_gpu_support(query: jax.Array, head_dim: int) -> None:
 
 
 def canonicalize(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
-                 key_value_seq_lengths, local_window_size, deterministic=None) -> CanonicalCall:
+                 key_value_seq_lengths, local_window_size, deterministic=None,
+                 logits_soft_cap=None) -> CanonicalCall:
   query, key, value = (_as_array(x, n) for x, n in ((query, "query"), (key, "key"),
                                                     (value, "value")))
   _check_qkv(query, key, value)
@@ -192,6 +207,7 @@ def canonicalize(query, key, value, bias, mask, *, scale, is_causal, query_seq_l
     query, scale = -query, -scale
   window_left, window_right = _window(local_window_size, bool(is_causal))
   deterministic = _deterministic(deterministic)
+  softcap = _softcap(logits_soft_cap)
 
   full = (B, N, T, S)
   if bias is not None:
@@ -216,5 +232,6 @@ def canonicalize(query, key, value, bias, mask, *, scale, is_causal, query_seq_l
     _check_gpu_support(query, H)
 
   return CanonicalCall(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
-                       AttentionConfig(scale, window_left, window_right, deterministic),
+                       AttentionConfig(scale, window_left, window_right, deterministic,
+                                       softcap),
                        unbatched)

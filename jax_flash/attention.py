@@ -27,17 +27,18 @@ JAX_NN_IMPLEMENTATIONS = ("xla", "cudnn")
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
                           is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
                           local_window_size=None, implementation=None, return_residual=False,
-                          deterministic=None):
+                          deterministic=None, logits_soft_cap=None):
   r"""Scaled dot-product attention, exact, in O(T*H + S*H) memory.
 
-  Same arguments and meaning as ``jax.nn.dot_product_attention``:
+  Same arguments and meaning as ``jax.nn.dot_product_attention``, plus ``deterministic`` and
+  ``logits_soft_cap``:
 
   Args:
     query: ``(B, T, N, H)`` or ``(T, N, H)``.
     key, value: ``(B, S, K, H)`` or ``(S, K, H)``; ``N`` must be a multiple of ``K``
       (GQA; MQA when ``K == 1``). One floating dtype for query, key and value.
-    bias: optional floating array broadcastable to ``(B, N, T, S)``, added to the scaled
-      logits. Differentiable.
+    bias: optional floating array broadcastable to ``(B, N, T, S)``, added to the scaled (and
+      soft-capped) logits. Differentiable.
     mask: optional boolean array broadcastable to ``(B, N, T, S)``; ``True`` keeps a logit.
     scale: logit scale; ``1/sqrt(H)`` when None. A static Python number.
     is_causal: key ``j`` is visible to query ``i`` only if ``j <= i`` (top-left aligned, as
@@ -50,13 +51,19 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       the call is handed to ``jax.nn.dot_product_attention`` with that implementation (and
       jax's semantics, e.g. for rows that see no key), so code written for jax.nn runs
       unchanged.
-    return_residual: also return the log-sum-exp of the scaled, biased logits, shaped like
-      ``query`` without its last axis, in float32 (float64 for float64 inputs).
+    return_residual: also return the log-sum-exp of the logits (scaled, soft-capped when asked,
+      biased), shaped like ``query`` without its last axis, in float32 (float64 for float64
+      inputs).
     deterministic: whether the gradients must be bit-identical from run to run. The Hopper
       backward adds the dQ partial sums of its key blocks in whatever order they finish unless
       this is True, which orders them (somewhat slower); the CPU kernels are always
       deterministic. ``None`` follows XLA's ``--xla_gpu_deterministic_ops`` flag in
       ``XLA_FLAGS`` (off by default). Not part of ``jax.nn.dot_product_attention``.
+    logits_soft_cap: logit soft-capping (Gemma 2): a static positive number ``cap`` replaces
+      each scaled logit ``x = scale * q . k`` by ``cap * tanh(x / cap)``, before the bias is
+      added and before masking; ``None`` (default) leaves the logits as they are. Gradients
+      include the ``tanh``'s derivative. Not part of ``jax.nn.dot_product_attention``, so not
+      available with ``implementation="xla"`` or ``"cudnn"``.
 
   Raises:
     NotImplementedError: when differentiated twice (grad of grad, Hessian-vector products):
@@ -73,6 +80,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       raise ValueError(f"deterministic applies to jax_flash's kernels only; got deterministic="
                        f"{deterministic!r} with implementation={implementation!r} (jax.nn's "
                        "cuDNN path follows XLA's --xla_gpu_deterministic_ops)")
+    if logits_soft_cap is not None:
+      raise ValueError(f"logits_soft_cap applies to jax_flash's kernels only; got "
+                       f"logits_soft_cap={logits_soft_cap!r} with implementation="
+                       f"{implementation!r} (jax.nn.dot_product_attention has no logit "
+                       "soft-capping)")
     return jax.nn.dot_product_attention(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
@@ -84,7 +96,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   call = canonicalize(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                       query_seq_lengths=query_seq_lengths,
                       key_value_seq_lengths=key_value_seq_lengths,
-                      local_window_size=local_window_size, deterministic=deterministic)
+                      local_window_size=local_window_size, deterministic=deterministic,
+                      logits_soft_cap=logits_soft_cap)
   q = call.query
   B, T, N, _ = q.shape
   if B == 0 or T == 0 or call.key.shape[1] == 0:
@@ -99,7 +112,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 
 def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
                    query_seq_lengths=None, key_value_seq_lengths=None, layout="contiguous",
-                   return_residual=False, deterministic=None):
+                   return_residual=False, deterministic=None, logits_soft_cap=None):
   r"""Attention over a sequence split along the mesh axis ``axis_name``, inside ``shard_map``.
 
   The key/value shards travel around the devices of ``axis_name`` while each attends its
@@ -111,7 +124,8 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
     key, value: this device's ``(B, S, K, H)`` shards, rows ``[i*S, (i+1)*S)``.
     axis_name: the mesh axis (or tuple of mesh axes) the sequence is split over. Other mesh
       axes may shard the batch or the heads as usual.
-    scale, deterministic: as in :func:`dot_product_attention`.
+    scale, deterministic, logits_soft_cap: as in :func:`dot_product_attention` (the soft-cap
+      acts on each logit alone, so the ring's exact merge is unchanged).
     is_causal: causal over global positions; needs ``T == S``.
     query_seq_lengths, key_value_seq_lengths: optional global lengths ``(B,)``, the same on
       every device of the ring.
@@ -135,7 +149,7 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
   call = canonicalize(query, key, value, None, None, scale=scale, is_causal=is_causal,
                       query_seq_lengths=query_seq_lengths,
                       key_value_seq_lengths=key_value_seq_lengths, local_window_size=None,
-                      deterministic=deterministic)
+                      deterministic=deterministic, logits_soft_cap=logits_soft_cap)
   q, k, v = call.query, call.key, call.value
   if layout not in _ring.LAYOUTS:
     raise ValueError(f"layout must be one of {_ring.LAYOUTS}, got {layout!r}")

@@ -38,6 +38,8 @@ Semantics, argument by argument:
 * ``is_causal`` (nnx's call argument) and the factory's ``is_causal`` /
   ``local_window_size`` are applied on top of any mask: a mask is never dropped. For the
   kernels' fastest path pass no mask and let ``is_causal`` express causality.
+* The factory's ``logits_soft_cap`` soft-caps the logits (Gemma 2) before bias and masks, a
+  jax_flash extension that flax's own attention does not have.
 * Rows that see no key at all (e.g. padding queries whose mask row is all False) give output
   0, where flax's attention averages all values uniformly. Padding keys behave identically.
 * ``dropout_rate > 0`` with ``deterministic=False`` raises ``NotImplementedError``:
@@ -124,7 +126,8 @@ def _reject_unsupported(dropout_rate, deterministic, module, einsums, extra):
 
 
 def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
-                      scale: float | None = None) -> Callable[..., jax.Array]:
+                      scale: float | None = None,
+                      logits_soft_cap: float | None = None) -> Callable[..., jax.Array]:
   """An ``attention_fn`` for flax's attention layers, with static options of jax_flash.
 
   Args:
@@ -133,6 +136,9 @@ def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
     local_window_size: ``int`` or ``(left, right)``: sliding-window attention, as in
       :func:`jax_flash.dot_product_attention`; combined with masks and causality.
     scale: the logit scale; ``1/sqrt(head_dim)`` (flax's) when None.
+    logits_soft_cap: ``cap``: each scaled logit ``x`` becomes ``cap * tanh(x / cap)`` before
+      bias and masks (Gemma 2's attention soft-capping), as in
+      :func:`jax_flash.dot_product_attention`; None: off.
 
   Returns:
     A function with the call signature of ``flax.linen.dot_product_attention`` /
@@ -163,7 +169,8 @@ def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
       if mask.dtype != jnp.bool_:
         mask = mask != 0
     causal = factory_causal or bool(is_causal)
-    options = dict(scale=scale, is_causal=causal, local_window_size=window)
+    options = dict(scale=scale, is_causal=causal, local_window_size=window,
+                   logits_soft_cap=logits_soft_cap)
 
     if query.ndim <= 4:
       return dot_product_attention(query, key, value, bias, mask, **options)
@@ -178,7 +185,8 @@ def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
 
   attention_fn.__doc__ = (
       "jax_flash attention with flax's attention_fn signature "
-      f"(is_causal={factory_causal}, local_window_size={window!r}, scale={scale!r}); "
+      f"(is_causal={factory_causal}, local_window_size={window!r}, scale={scale!r}, "
+      f"logits_soft_cap={logits_soft_cap!r}); "
       "see jax_flash.flax.")
   return attention_fn
 

@@ -60,6 +60,7 @@ class Case:
   std: float = 1.0  # standard deviation of query and key entries
   extreme_bias: bool = False  # bias entries of +-BIG and -inf; key 0 always finite
   dead_rows: bool = False  # the mask hides every key from every third query row
+  softcap: float | None = None  # logits_soft_cap (jax_flash only: jax's path has none)
 
   @property
   def kv_heads(self) -> int:
@@ -83,7 +84,7 @@ class Case:
     parts = [f"B{self.B}", f"T{self.T}", f"S{self.S}", f"N{self.N}", f"K{self.kv_heads}",
              f"H{self.H}", self.dtype]
     for name in ("is_causal", "window", "bias", "mask", "q_lens", "kv_lens", "scale",
-                 "extreme_bias", "dead_rows"):
+                 "extreme_bias", "dead_rows", "softcap"):
       value = getattr(self, name)
       if value not in (None, False):
         parts.append(f"{name}={value}")
@@ -160,7 +161,8 @@ def ours_function(case: Case, *, return_residual=False):
     return jax_flash.dot_product_attention(
         q, k, v, bias, mask, scale=case.scale, is_causal=case.is_causal,
         query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
-        local_window_size=case.window, return_residual=return_residual)
+        local_window_size=case.window, return_residual=return_residual,
+        logits_soft_cap=case.softcap)
 
   return f
 
@@ -185,13 +187,16 @@ def reference_hi(case: Case, inp: Inputs, vis: np.ndarray):
   with ref.precise():
     out, lse = ref.attention_with_lse(*(jnp.asarray(x, jnp.float64) for x in (inp.q, inp.k, inp.v)),
                                       None if inp.bias is None else
-                                      jnp.asarray(inp.bias, jnp.float64), vis, scale=case.scale)
+                                      jnp.asarray(inp.bias, jnp.float64), vis, scale=case.scale,
+                                      softcap=case.softcap)
     return np.asarray(out), np.asarray(lse)
 
 
 def cudnn_eligible(case: Case) -> bool:
-  """Cases whose semantics cuDNN shares: no local window, causal only for square problems."""
-  return case.window is None and (not case.is_causal or case.T == case.S)
+  """Cases whose semantics cuDNN shares: no local window, causal only for square problems, no
+  soft-capping."""
+  return (case.window is None and (not case.is_causal or case.T == case.S)
+          and case.softcap is None)
 
 
 def forward_baseline(case: Case, inp: Inputs, platform: str):
@@ -206,9 +211,9 @@ def forward_baseline(case: Case, inp: Inputs, platform: str):
       return np.asarray(f(*_operands(inp))), "cudnn"
     except Exception:  # cuDNN rejects the case: fall back to xla, as the criterion says
       pass
-  if xla_unavailable(dt, platform):
+  if xla_unavailable(dt, platform) or case.softcap is not None:
     out, _ = definition_output(case, inp, dt)
-    return np.asarray(out), "definition in float16"
+    return np.asarray(out), f"definition in {dt.name}"
   f = ref.xla_function(dt, **case.kwargs())
   return np.asarray(f(*_operands(inp))), "xla"
 
@@ -217,7 +222,9 @@ def xla_unavailable(dtype, platform: str) -> bool:
   """jax's float16 path cannot be compiled whole on XLA:CPU (it asks for an F16_F16_F32 dot).
   Run eagerly it falls back to the default precision op by op, which is slow; what it then
   computes on live rows is the definition in float16 (logits from a float32-accumulated dot,
-  softmax in float32, P rounded to float16, P.V in float16), which serves as the baseline."""
+  softmax in float32, P rounded to float16, P.V in float16), which serves as the baseline.
+  The same definition in the input dtype is the baseline of soft-capped cases, which jax's
+  path cannot compute."""
   return np_dtype(dtype) == np.float16 and platform == "cpu"
 
 
@@ -226,11 +233,12 @@ def definition_output(case: Case, inp: Inputs, dtype, vis=None):
   vis = visibility(case, inp) if vis is None else vis
   cast = [None if x is None else jnp.asarray(x).astype(dtype)
           for x in (inp.q, inp.k, inp.v, inp.bias)]
-  return ref.attention_with_lse(*cast, vis, scale=case.scale)
+  return ref.attention_with_lse(*cast, vis, scale=case.scale, softcap=case.softcap)
 
 
 def lse_baseline(case: Case, inp: Inputs):
-  """xla's float32 log-sum-exp of the upcast inputs, on the CPU; None for float64."""
+  """xla's float32 log-sum-exp of the upcast inputs, on the CPU (the definition in float32 for
+  soft-capped cases); None for float64."""
   return _xla_float32_on_cpu(case, inp)[1]
 
 
@@ -238,6 +246,8 @@ def _xla_float32_on_cpu(case: Case, inp: Inputs):
   if np_dtype(case.dtype) == np.float64:
     return None, None
   with jax.default_device(ref.cpu_device()):
+    if case.softcap is not None:
+      return tuple(np.asarray(x) for x in definition_output(case, inp, np.float32))
     f = ref.xla_function(np.float32, return_residual=True, **case.kwargs())
     return tuple(np.asarray(x) for x in f(*_operands(inp)))
 
@@ -293,6 +303,8 @@ def check_forward(case: Case, platform: str = "cpu", seed: int = 0, inp: Inputs 
   ref_out, ref_lse = reference_hi(case, inp, vis)
   if platform == "cpu" and dt == np.float32:  # one xla call gives both baselines
     (base_out, base_lse), base_name = _xla_float32_on_cpu(case, inp), "xla"
+    if case.softcap is not None:
+      base_name = "definition in float32"
   else:
     base_out, base_name = forward_baseline(case, inp, platform)
     base_lse = lse_baseline(case, inp)
@@ -329,13 +341,16 @@ def vjp(f, primals, cotangent, *, with_primal_out=False):
 
 
 def probabilities(case: Case, inp: Inputs, vis: np.ndarray) -> np.ndarray:
-  """Softmax of the visible scaled, biased logits in float64, (B, N, T, S); 0 on empty rows."""
+  """Softmax of the visible scaled, soft-capped, biased logits in float64, (B, N, T, S); 0 on
+  empty rows."""
   q, k = (np.asarray(x, np.float64) for x in (inp.q, inp.k))
   if case.B is None:
     q, k = q[None], k[None]
   G = case.N // case.kv_heads
   scale = 1.0 / np.sqrt(case.H) if case.scale is None else case.scale
   logits = np.einsum("btnh,bsnh->bnts", q, np.repeat(k, G, axis=2)) * scale
+  if case.softcap is not None:
+    logits = case.softcap * np.tanh(logits / case.softcap)
   if inp.bias is not None:
     logits = logits + ref.rank4(np.asarray(inp.bias, np.float64))
   logits = np.where(vis, np.broadcast_to(logits, vis.shape), -np.inf)
@@ -356,7 +371,9 @@ def row_term_error(case: Case, inp: Inputs, vis: np.ndarray, out_ours, out_hi, d
   at most gamma_H * sum_h |terms| each (Higham). Both reach dS multiplied by P and from there
   dq, dk and dbias (dv does not use the row term). They dominate where the exact result is
   (close to) zero while its terms are not: a bias broadcast over keys (its exact gradient is
-  0, softmax being shift invariant) or a single key (S == 1: dS is exactly 0).
+  0, softmax being shift invariant) or a single key (S == 1: dS is exactly 0). With
+  soft-capping dq and dk receive dS times the cap's derivative, which is at most 1: the same
+  bound holds.
   Returns arrays shaped like (dq, dk, dv, dbias or None).
   """
   def batched(x):
@@ -426,7 +443,7 @@ def check_gradients(case: Case, platform: str = "cpu", seed: int = 0, *, through
     """vjp of the definition on the inputs cast to dtype (gradients in dtype)."""
     def f(*d):
       out, lse = ref.attention_with_lse(*d[:3], d[3] if len(d) > 3 else None, vis,
-                                        scale=case.scale)
+                                        scale=case.scale, softcap=case.softcap)
       return (out, lse) if through_lse else out
     ct = jnp.asarray(dout).astype(dtype)
     if through_lse:
@@ -451,8 +468,8 @@ def check_gradients(case: Case, platform: str = "cpu", seed: int = 0, *, through
       if through_lse:  # jax's path stops the lse gradient: the definition in the input dtype
         base_name = "definition in the input dtype"
         base = definition(dt)
-      elif xla_unavailable(dt, platform):
-        base_name = "definition in float16"
+      elif xla_unavailable(dt, platform) or case.softcap is not None:
+        base_name = f"definition in {dt.name}"
         base = definition(dt)
       else:
         base_name = "xla"

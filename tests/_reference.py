@@ -4,7 +4,10 @@
   inputs cast to a given dtype: the baseline of the accuracy criterion, run in the input dtype.
 * `attention_with_lse`: the definition, transcribed like jax's xla path (logits from
   preferred_element_type float32, or float64 for float64; P cast to the value dtype), that also
-  returns the log-sum-exp of the masked logits without stopping its gradient. In float64 (from
+  returns the log-sum-exp of the masked logits without stopping its gradient. It also takes
+  jax_flash's logit soft-capping (``softcap``: scaled logits x become softcap * tanh(x / softcap)
+  before the bias), which jax's path does not have; its gradient, the tanh's derivative
+  included, is jax's derivative of the definition. In float64 (from
   the upcast inputs, under a scoped x64) it is the precise reference: jax's own path cannot be,
   because it always computes its softmax in float32, even for float64 inputs. It agrees with
   jax's path wherever a row sees a key (test_reference.py checks that); rows that see no key give
@@ -107,15 +110,17 @@ def xla_function(dtype, *, scale=None, is_causal=False, window=None, implementat
   return f
 
 
-def attention_with_lse(q, k, v, bias, vis, *, scale=None):
+def attention_with_lse(q, k, v, bias, vis, *, scale=None, softcap=None):
   """(out, lse (B, T, N)) by the definition; `vis` is the visibility (B, N, T, S) or
-  broadcastable to it. Differentiable through lse; rows with no visible key give 0 and -inf
-  with zero gradients. Compiled once per shape and dtype."""
-  return _attention_with_lse(q, k, v, bias, jnp.asarray(vis, bool), scale=scale)
+  broadcastable to it; `softcap` None or the soft-cap of the scaled logits. Differentiable
+  through lse; rows with no visible key give 0 and -inf with zero gradients. Compiled once per
+  shape and dtype."""
+  return _attention_with_lse(q, k, v, bias, jnp.asarray(vis, bool), scale=scale,
+                             softcap=softcap)
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
-def _attention_with_lse(q, k, v, bias, vis, *, scale):
+@functools.partial(jax.jit, static_argnames=("scale", "softcap"))
+def _attention_with_lse(q, k, v, bias, vis, *, scale, softcap):
   unbatched = q.ndim == 3
   if unbatched:
     q, k, v = q[None], k[None], v[None]
@@ -127,6 +132,9 @@ def _attention_with_lse(q, k, v, bias, vis, *, scale):
   vv = jnp.repeat(v, G, axis=2)
   logits = jnp.einsum("btnh,bsnh->bnts", q, kk, preferred_element_type=logits_dtype)
   logits = logits * jnp.asarray(scale, logits_dtype)
+  if softcap is not None:
+    cap = jnp.asarray(softcap, logits_dtype)
+    logits = cap * jnp.tanh(logits / cap)
   if bias is not None:
     logits = (logits + bias).astype(logits_dtype)
   vis = jnp.broadcast_to(vis, logits.shape)
@@ -150,6 +158,9 @@ def _attention_with_lse(q, k, v, bias, vis, *, scale):
 
 def logits_max(q, k, bias, vis, *, scale=None) -> float:
   """max |scaled, biased logit| over the visible entries (the L of the float64 bound).
+
+  Logits that are soft-capped count before the cap: the rounding of the scaled logit, relative
+  to its magnitude, is what propagates, and the cap's derivative (at most 1) only damps it.
 
   Entries with a bias of magnitude >= BIG / 2 are left out: in any precision q.k vanishes
   against them when they are added, so they are either exact ties at the row maximum (computed

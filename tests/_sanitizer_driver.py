@@ -7,7 +7,8 @@ case so that the cases run in parallel and a slow one is named).
 Cases, for each compiled tile: causal and not, a local window, ragged query and key/value
 lengths (zero and past the end included), mostly empty batch items over a grid where every
 CTA walks several tiles, grouped-query heads, sizes that are not multiples of any tile, every
-compiled dtype, and the backward's ordered (deterministic) dQ reduction. Each case also runs
+compiled dtype, the backward's ordered (deterministic) dQ reduction, and logit soft-capping
+(its own instantiation of each tile; causal, ragged). Each case also runs
 the gradients (the backward's three kernels). Every output and gradient is checked to be
 finite, so a kernel that reads garbage fails here too.
 """
@@ -38,16 +39,19 @@ def cases():
     # empty (the forward's case: the backward's grid is one CTA per tile).
     yield dict(H=H, dtype=dtypes[1 % len(dtypes)], is_causal=False, window=None,
                lengths="mostly_empty", B=24, N=16, K=4, grads=False)
+    if "softcap" in _config.SM90_FORWARD.features | _config.SM90_BACKWARD.features:
+      yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=True, window=None,
+                 lengths="ragged", softcap=2.0)
 
 
 def run(H, dtype, is_causal, window, lengths, B=3, T=167, S=201, N=4, K=2, deterministic=False,
-        grads=True):
+        grads=True, softcap=None):
   # Inputs from numpy: compiling jax.random's kernels under the sanitizer costs more host time
   # than the attention itself.
   rng = np.random.default_rng(H)
   q, k, v = (jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
              for shape in ((B, T, N, H), (B, S, K, H), (B, S, K, H)))
-  kwargs = dict(is_causal=is_causal, local_window_size=window)
+  kwargs = dict(is_causal=is_causal, local_window_size=window, logits_soft_cap=softcap)
   if lengths == "ragged":  # a full item, one without queries, one without keys
     kwargs.update(query_seq_lengths=jnp.array([T, 0, 100], jnp.int32),
                   key_value_seq_lengths=jnp.array([S + 5, 130, 0], jnp.int32))
@@ -72,7 +76,7 @@ def run(H, dtype, is_causal, window, lengths, B=3, T=167, S=201, N=4, K=2, deter
   for name, x in zip(("output", "dq", "dk", "dv"), (out, *results)):
     if not np.isfinite(np.asarray(x.astype(jnp.float32))).all():
       raise AssertionError(f"non-finite {name} for H={H} {dtype} causal={is_causal} "
-                           f"window={window} lengths={lengths}")
+                           f"window={window} lengths={lengths} softcap={softcap}")
   return out
 
 

@@ -135,7 +135,8 @@ def test_calls_without_arrays_reach_the_kernel(platform):
 
   assert "jax_flash_bwd" in hlo(is_causal=True, local_window_size=(3, 5))
   # Arrays the kernel does not read (kernel_configs.json) take the blockwise path.
-  assert _config.SM90_BACKWARD.takes(bias=True, mask=False) == ("jax_flash_bwd" in hlo(bias))
+  assert (_config.SM90_BACKWARD.takes(bias=True, mask=False, softcap=False)
+          == ("jax_flash_bwd" in hlo(bias)))
 
 
 def _direct_backward(q, workspace_bytes, **overrides):
@@ -144,9 +145,9 @@ def _direct_backward(q, workspace_bytes, **overrides):
   lse = jnp.zeros(q.shape[:1] + q.shape[2:3] + q.shape[1:2], jnp.float32)
   results = tuple(jax.ShapeDtypeStruct(q.shape, q.dtype) for _ in range(3))
   results += (jax.ShapeDtypeStruct((workspace_bytes,), np.uint8),)
-  attrs = dict(scale=np.float64(0.125), window_left=np.int64(-1), window_right=np.int64(-1),
-               has_bias=False, has_mask=False, has_q_seqlens=False, has_kv_seqlens=False,
-               deterministic=False)
+  attrs = dict(scale=np.float64(0.125), softcap=np.float64(0.0), window_left=np.int64(-1),
+               window_right=np.int64(-1), has_bias=False, has_mask=False, has_q_seqlens=False,
+               has_kv_seqlens=False, deterministic=False)
   attrs.update(overrides)
   call = jax.ffi.ffi_call(_extension.BACKWARD_TARGET, results)
   return jax.block_until_ready(call(q, q, q, q, lse, q, lse, **attrs))

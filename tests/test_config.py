@@ -46,10 +46,15 @@ def test_config_module_reads_the_json_table():
 
 def test_kernel_features_route_calls():
   kernel = _config.Kernel(tiles=(), features=frozenset({"bias"}))
-  assert kernel.takes(bias=False, mask=False)
-  assert kernel.takes(bias=True, mask=False)
-  assert not kernel.takes(bias=False, mask=True)
-  assert not _config.Kernel(tiles=(), features=frozenset()).takes(bias=True, mask=False)
+  assert kernel.takes(bias=False, mask=False, softcap=False)
+  assert kernel.takes(bias=True, mask=False, softcap=False)
+  assert not kernel.takes(bias=False, mask=True, softcap=False)
+  assert not kernel.takes(bias=True, mask=False, softcap=True)
+  assert not _config.Kernel(tiles=(), features=frozenset()).takes(bias=True, mask=False,
+                                                                  softcap=False)
+  capping = _config.Kernel(tiles=(), features=frozenset({"softcap"}))
+  assert capping.takes(bias=False, mask=False, softcap=True)
+  assert not capping.takes(bias=False, mask=True, softcap=True)
 
 
 def test_table_is_consistent():

@@ -195,6 +195,42 @@ def test_deterministic_default_follows_xla_flags(monkeypatch, flags, expected):
   assert explicit.config.deterministic is (not expected)
 
 
+@pytest.mark.parametrize("value", [True, "5", jnp.float32(5.0), np.array([5.0]), 5j],
+                         ids=["bool", "str", "jax-scalar", "array", "complex"])
+def test_logits_soft_cap_not_a_static_number(value):
+  with pytest.raises(TypeError, match="logits_soft_cap"):
+    attend(*arrays(), logits_soft_cap=value)
+
+
+def test_logits_soft_cap_traced_under_jit():
+  q, k, v = arrays()
+  f = jax.jit(lambda q, k, v, cap: attend(q, k, v, logits_soft_cap=cap))
+  with pytest.raises(TypeError, match="logits_soft_cap"):
+    f(q, k, v, 5.0)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -1.0, float("inf"), float("nan")], ids=repr)
+def test_logits_soft_cap_not_positive_and_finite(value):
+  with pytest.raises(ValueError, match="logits_soft_cap"):
+    attend(*arrays(), logits_soft_cap=value)
+
+
+@pytest.mark.parametrize("value", [50, 30.0, np.float32(2.5), np.int64(7)], ids=repr)
+def test_logits_soft_cap_accepts_python_and_numpy_numbers(value):
+  call = _validation.canonicalize(*arrays(), None, None, scale=None, is_causal=False,
+                                  query_seq_lengths=None, key_value_seq_lengths=None,
+                                  local_window_size=None, logits_soft_cap=value)
+  assert call.config.softcap == float(value) and isinstance(call.config.softcap, float)
+  assert attend(*arrays(), logits_soft_cap=value).shape == (2, 5, 4, 8)
+
+
+def test_logits_soft_cap_none_is_off():
+  call = _validation.canonicalize(*arrays(), None, None, scale=None, is_causal=False,
+                                  query_seq_lengths=None, key_value_seq_lengths=None,
+                                  local_window_size=None, logits_soft_cap=None)
+  assert call.config.softcap == 0.0
+
+
 # --- implementation ----------------------------------------------------------------------------
 
 
@@ -208,6 +244,13 @@ def test_unknown_implementation(value):
 def test_deterministic_with_a_jax_nn_implementation(implementation):
   with pytest.raises(ValueError, match="deterministic"):
     attend(*arrays(), implementation=implementation, deterministic=True)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "cudnn"])
+def test_logits_soft_cap_with_a_jax_nn_implementation(implementation):
+  with pytest.raises(ValueError, match="logits_soft_cap .*jax.nn.dot_product_attention has no "
+                                       "logit soft-capping"):
+    attend(*arrays(), implementation=implementation, logits_soft_cap=30.0)
 
 
 # --- ring attention ----------------------------------------------------------------------------
@@ -255,6 +298,12 @@ def test_ring_attention_checks_its_operands_like_the_call():
   q, k, v = arrays()
   with pytest.raises(ValueError, match="key"):
     jax_flash.ring_attention(q, k[:, :, :, :4], v, axis_name="sp")
+
+
+@pytest.mark.parametrize("value,error", [(-2.0, ValueError), ("50", TypeError)], ids=repr)
+def test_ring_attention_checks_the_soft_cap(value, error):
+  with pytest.raises(error, match="logits_soft_cap"):
+    jax_flash.ring_attention(*arrays(), axis_name="sp", logits_soft_cap=value)
 
 
 # --- bias and mask -----------------------------------------------------------------------------
@@ -411,9 +460,9 @@ def test_default_device_selects_the_gpu_checks():
 
 
 def _attrs(**overrides):
-  attrs = dict(scale=np.float64(0.5), window_left=np.int64(-1), window_right=np.int64(-1),
-               has_bias=False, has_mask=False, has_q_seqlens=False, has_kv_seqlens=False,
-               deterministic=False)
+  attrs = dict(scale=np.float64(0.5), softcap=np.float64(0.0), window_left=np.int64(-1),
+               window_right=np.int64(-1), has_bias=False, has_mask=False, has_q_seqlens=False,
+               has_kv_seqlens=False, deterministic=False)
   attrs.update(overrides)
   return attrs
 
@@ -442,6 +491,9 @@ def _bad_forward_calls():
       "heads": ([q, np.zeros((2, 7, 3, 8), np.float32), np.zeros((2, 7, 3, 8), np.float32)],
                 dict(), "heads"),
       "window": ([q, k, v], dict(window_left=np.int64(-2)), "window_left"),
+      "softcap-negative": ([q, k, v], dict(softcap=np.float64(-1.0)), "softcap"),
+      "softcap-infinite": ([q, k, v], dict(softcap=np.float64(np.inf)), "softcap"),
+      "softcap-nan": ([q, k, v], dict(softcap=np.float64(np.nan)), "softcap"),
       "bias-shape": ([q, k, v, np.zeros((1, 4, 5, 6), np.float32)], dict(has_bias=True), "bias"),
       "bias-dtype": ([q, k, v, np.zeros((1, 4, 5, 7), np.int32)], dict(has_bias=True), "bias"),
       "mask-dtype": ([q, k, v, bias], dict(has_mask=True), "mask"),

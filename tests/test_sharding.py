@@ -376,6 +376,7 @@ else:
     T: int = 40  # global; a multiple of ring (of twice the ring with the zigzag layout)
     S: int = 40
     layout: str = "contiguous"
+    softcap: float | None = None  # logits_soft_cap (elementwise: the ring's merge is unchanged)
 
   RING_SETUPS = [
       RingSetup("ring-2", 2),
@@ -391,6 +392,8 @@ else:
       RingSetup("ring-8-zigzag-causal-lengths-gqa", 8, is_causal=True, lengths=True, N=8, K=2,
                 T=48, S=48, layout="zigzag"),
       RingSetup("ring-2-zigzag-lengths", 2, lengths=True, T=24, S=40, layout="zigzag"),
+      RingSetup("ring-4-causal-lengths-gqa-softcap", 4, is_causal=True, lengths=True, N=4, K=2,
+                softcap=1.5),
   ]
   if PLATFORM == "gpu":
     RING_SETUPS = [dataclasses.replace(s, ring=2, outer=1, T=256, S=256)
@@ -428,7 +431,7 @@ else:
     def full(q, k, v):
       return jax_flash.dot_product_attention(
           q, k, v, is_causal=s.is_causal, query_seq_lengths=q_len,
-          key_value_seq_lengths=kv_len, return_residual=True)
+          key_value_seq_lengths=kv_len, return_residual=True, logits_soft_cap=s.softcap)
 
     batch = None if s.outer_heads else "dp"
     heads = "dp" if s.outer_heads else None
@@ -446,7 +449,8 @@ else:
       def local(q, k, v, q_len, kv_len):
         return jax_flash.ring_attention(
             q, k, v, axis_name="sp", is_causal=s.is_causal, query_seq_lengths=q_len,
-            key_value_seq_lengths=kv_len, layout=s.layout, return_residual=True)
+            key_value_seq_lengths=kv_len, layout=s.layout, return_residual=True,
+            logits_soft_cap=s.softcap)
       lens = (q_len, kv_len)
       specs = tuple(None if x is None else len_spec for x in lens)
       return jax.shard_map(local, mesh=mesh, in_specs=(seq_spec,) * 3 + specs,

@@ -86,11 +86,15 @@ struct AttentionShape {
   JF_HOST_DEVICE int64_t group_size() const { return num_heads / num_kv_heads; }
 };
 
+//! Logits are scale * q_i . k_j, soft-capped when softcap > 0, plus bias[i, j].
 //! Visibility of key j to query i: window_left < 0 or j >= i - window_left, and
 //! window_right < 0 or j <= i + window_right, and j < kv_len[b]; query rows i >= q_len[b]
 //! are padding. Causal attention is window_right == 0 (top-left aligned, as jax's tril).
 struct AttentionOptions {
   double scale = 1.0;  //!< kernels round it to their accumulation type
+  //! Logit soft-capping: > 0 replaces each scaled logit x by softcap * tanh(x / softcap), before
+  //! bias and masking; 0: off.
+  double softcap = 0.0;
   int64_t window_left = -1;   //!< -1: unbounded
   int64_t window_right = -1;  //!< -1: unbounded
 };

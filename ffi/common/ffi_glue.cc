@@ -5,6 +5,7 @@
 */
 #include "ffi_glue.h"
 
+#include <cmath>
 #include <sstream>
 #include <vector>
 
@@ -196,7 +197,12 @@ Status DescribeInputs(const AttentionAttrs& attrs, const BatchShape& batch,
                                    "(-1 = unbounded), got " + std::to_string(attrs.window_left) +
                                    ", " + std::to_string(attrs.window_right));
   }
+  if (!(attrs.softcap >= 0.0) || std::isinf(attrs.softcap)) {
+    return Status::InvalidArgument("jax_flash: softcap must be finite and >= 0 (0 = off), got " +
+                                   std::to_string(attrs.softcap));
+  }
   p->options.scale = attrs.scale;
+  p->options.softcap = attrs.softcap;
   p->options.window_left = attrs.window_left;
   p->options.window_right = attrs.window_right;
 

@@ -26,6 +26,7 @@ namespace ffi = ::xla::ffi;
 
 struct AttentionAttrs {
   double scale;
+  double softcap;  //!< 0: off
   int64_t window_left;
   int64_t window_right;
   bool has_bias;
@@ -91,6 +92,7 @@ const char* ElementTypeName(ElementType dtype);
 // Attribute names are the Python keyword arguments of jax.ffi.ffi_call (see jax_flash/_primitive.py).
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_flash::AttentionAttrs,
                                       ::xla::ffi::StructMember<double>("scale"),
+                                      ::xla::ffi::StructMember<double>("softcap"),
                                       ::xla::ffi::StructMember<int64_t>("window_left"),
                                       ::xla::ffi::StructMember<int64_t>("window_right"),
                                       ::xla::ffi::StructMember<bool>("has_bias"),

@@ -3,7 +3,9 @@
 
     With P = exp(S - lse) recomputed from the saved log-sum-exp (the logits are recomputed
     bit-for-bit as in the forward) and D_i = rowsum(dO_i * O_i) - dlse_i:
-        dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D),  dQ = scale dS K,  dK = scale dS^T Q.
+        dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D),  dQ = scale dX K,  dK = scale dX^T Q,
+    with dX = dS * (1 - t^2), t = tanh(X / softcap), X = scale Q K^T, under soft-capping
+    (S = softcap t + bias), dX = dS otherwise; dbias takes dS.
     No result is accumulated by more than one task, and every sum runs in a fixed order, so
     the results do not depend on the number of threads or on scheduling.
 
@@ -14,13 +16,13 @@
     Two passes (general):
     1. Key pass (parallel over (kv head, block of kLanes keys)): K^T and V^T of the block are
        packed once; for each query head of the group and each block of query rows, in order:
-       S = (scale Q) K^T with the keys on the vector lanes, P, dP = dO V^T, dS, then
-       dV^T += dO^T P and dK^T += (scale Q)^T dS in per-task accumulators.
+       S = (scale Q) K^T with the keys on the vector lanes, P, dP = dO V^T, dS, dX, then
+       dV^T += dO^T P and dK^T += (scale Q)^T dX in per-task accumulators.
     2. Query pass (parallel over (head, block of kLanes query rows)), in the same work list as
-       pass 1: S^T, P^T, dP^T, dS^T with the queries on the lanes, dQ^T += K^T dS^T.
+       pass 1: S^T, P^T, dP^T, dS^T, dX^T with the queries on the lanes, dQ^T += K^T dX^T.
        Seven matrix products per tile pair in all.
     Fused (no bias, at least kFusedMinTasks (batch item, kv head) pairs): one task per pair
-       runs the key pass over all its key blocks in order and also accumulates dQ += dS K for
+       runs the key pass over all its key blocks in order and also accumulates dQ += dX K for
        the group's query heads in a T x H scratch: five matrix products.
     dbias = dS summed over the axes where bias broadcasts. When dbias keeps the key axis, the
     key pass owns its columns: a task takes every (batch item, kv head) whose dS lands in the
@@ -70,6 +72,7 @@ class Backward {
       : bp_(params), p_(params.fwd), pr_(params.fwd), nqb_(CeilDiv(pr_.T, L)),
         nkb_(CeilDiv(pr_.S, L)) {
     const AttentionOptions& o = pr_.options;
+    capped_ = SoftCap<A>(pr_) > A(0);
     causal_like_ = o.window_right >= 0 && o.window_left < 0;
     anticausal_like_ = o.window_left >= 0 && o.window_right < 0;
     padded_h_ = CeilDiv(pr_.H, L) * L;
@@ -238,7 +241,8 @@ class Backward {
     A* kt;          //!< K^T of the key block, H x L
     A* vt;          //!< V^T of the key block, H x L
     A* s;           //!< S, then P: kRowBlock x L
-    A* dp;          //!< dP, then dS: kRowBlock x L
+    A* dp;          //!< dP, then dS, then dX: kRowBlock x L
+    A* dtanh;       //!< soft-capping: 1 - t^2, kRowBlock x L; otherwise nullptr
     A* sq;          //!< scale * Q rows: kRowBlock x H
     A* do_rows;     //!< dO rows: kRowBlock x H
     A* row_buffer;  //!< H
@@ -274,6 +278,7 @@ class Backward {
     t.do_rows = ws.Get<A>(6, kRowBlock * H);
     t.row_buffer = ws.Get<A>(7, H);
     t.dbias = dbias_here ? ws.Get<A>(8, rows_dbias_ * L) : nullptr;
+    t.dtanh = capped_ ? ws.Get<A>(11, kRowBlock * L) : nullptr;
     t.knat = nullptr;
     t.dq = nullptr;
     t.row_sums = nullptr;
@@ -339,7 +344,7 @@ class Backward {
       const int64_t ni = std::min<int64_t>(kRowBlock, ihi - i0);
       CopyRows<A>(pr_, p_.q, b, i0, ni, n, scale, t.sq);
       CopyRows<A>(pr_, bp_.dout, b, i0, ni, n, A(1), t.do_rows);
-      LogitsKeyLanes<A>(pr_, b, n, i0, ni, j0, nj, t.sq, t.kt, t.s);
+      LogitsKeyLanes<A>(pr_, b, n, i0, ni, j0, nj, t.sq, t.kt, t.s, t.dtanh);
       // dP = dO V^T
       Gemm<A>(t.dp, L, ni, t.do_rows, H, 1, t.vt, L, H, false);
       const A* lse = lse_.data() + RowIndex(b, n, i0);
@@ -366,9 +371,6 @@ class Backward {
           }
         }
       }
-      // dV^T[d][j] += sum_i dO[i][d] P[i][j];  dK^T[d][j] += sum_i (scale Q)[i][d] dS[i][j]
-      Gemm<A>(dvt, L, H, t.do_rows, 1, H, t.s, L, ni, true);
-      Gemm<A>(dkt, L, H, t.sq, 1, H, t.dp, L, ni, true);
       if (t.row_sums != nullptr) {
         alignas(kTileAlign) A lanes[L];
         for (int64_t i = 0; i < ni; ++i) {
@@ -380,8 +382,12 @@ class Backward {
           t.row_sums[i0 + i] += sum;
         }
       }
+      if (t.dtanh != nullptr) MultiplyRows<A>(t.dp, t.dtanh, ni);  // dS (dbias's) -> dX
+      // dV^T[d][j] += sum_i dO[i][d] P[i][j];  dK^T[d][j] += sum_i (scale Q)[i][d] dX[i][j]
+      Gemm<A>(dvt, L, H, t.do_rows, 1, H, t.s, L, ni, true);
+      Gemm<A>(dkt, L, H, t.sq, 1, H, t.dp, L, ni, true);
       if (t.dq != nullptr) {
-        // dQ[i][d] += sum_j dS[i][j] K[j][d], kLanes columns of d at a time
+        // dQ[i][d] += sum_j dX[i][j] K[j][d], kLanes columns of d at a time
         for (int64_t c = 0; c < padded_h_; c += L) {
           Gemm<A>(t.dq + i0 * padded_h_ + c, padded_h_, ni, t.dp, L, 1, t.knat + c, padded_h_,
                   nj, true);
@@ -410,6 +416,7 @@ class Backward {
     t.do_rows = ws.Get<A>(6, kRowBlock * H);
     t.row_buffer = ws.Get<A>(7, H);
     t.dbias = dbias_here ? ws.Get<A>(8, rows_dbias_ * L) : nullptr;
+    t.dtanh = capped_ ? ws.Get<A>(11, kRowBlock * L) : nullptr;
     t.knat = ws.Get<A>(9, L * padded_h_);
     A* dq = ws.Get<A>(10, G * T * padded_h_);
     std::fill(dq, dq + G * T * padded_h_, A(0));
@@ -500,6 +507,7 @@ class Backward {
       A* v_rows = ws.Get<A>(6, kKeyBlock * H);
       A* row_buffer = ws.Get<A>(7, H);
       A* lanes = ws.Get<A>(8, 3 * L);  // lse, D and norm, per lane
+      A* dtanh = capped_ ? ws.Get<A>(9, kKeyBlock * L) : nullptr;
       PackTransposed<A>(pr_, p_.q, b, i0, ni, n, static_cast<A>(pr_.options.scale), row_buffer, qt);
       PackTransposed<A>(pr_, bp_.dout, b, i0, ni, n, A(1), row_buffer, dot);
       for (int64_t i = 0; i < L; ++i) {
@@ -512,7 +520,7 @@ class Backward {
         const int64_t nk = std::min<int64_t>(kKeyBlock, jhi - j0);
         CopyRows<A>(pr_, p_.k, b, j0, nk, kvh, A(1), k_rows);
         CopyRows<A>(pr_, p_.v, b, j0, nk, kvh, A(1), v_rows);
-        LogitsQueryLanes<A>(pr_, b, n, i0, ni, j0, nk, k_rows, H, qt, st);
+        LogitsQueryLanes<A>(pr_, b, n, i0, ni, j0, nk, k_rows, H, qt, st, dtanh);
         // dP^T = V dO^T
         Gemm<A>(dpt, L, nk, v_rows, H, 1, dot, L, H, false);
         for (int64_t j = 0; j < nk; ++j) {
@@ -526,7 +534,8 @@ class Backward {
             row_sum[v] += ds;
           }
         }
-        // dQ^T[d][i] += sum_j K[j][d] dS^T[j][i]
+        if (dtanh != nullptr) MultiplyRows<A>(dpt, dtanh, nk);  // dS^T (dbias's) -> dX^T
+        // dQ^T[d][i] += sum_j K[j][d] dX^T[j][i]
         Gemm<A>(dqt, L, H, k_rows, 1, H, dpt, L, nk, true);
       }
     }
@@ -577,6 +586,7 @@ class Backward {
   Problem pr_;
   const int64_t nqb_, nkb_;
   bool causal_like_ = false, anticausal_like_ = false;
+  bool capped_ = false;  //!< soft-capping: dS is multiplied by the tanh derivative
   DbiasMode mode_ = DbiasMode::kNone;
   bool fused_ = false;
   int64_t padded_h_ = 0;  //!< H rounded up to kLanes (fused pass dQ rows)

@@ -4,7 +4,8 @@
     Work item: (batch item, query head, block of kLanes query rows), run in parallel. The
     block's scaled queries are packed once as an H x kLanes tile Q^T; the visible keys are then
     visited in blocks of kKeyBlock rows:
-        S^T = K_blk Q^T                      (keys x queries, queries on the vector lanes)
+        S^T = K_blk Q^T                      (keys x queries, queries on the vector lanes;
+                                              soft-capped, biased, masked: tiles_cpu.h)
         m' = max(m, colmax S^T), alpha = exp(m - m'), P^T = exp(S^T - m')
         l = alpha l + colsum P^T,  O^T = alpha O^T + V_blk^T P^T
     and finally out = O^T / l (transposed back), lse = m + log l. With the queries on the

@@ -113,11 +113,51 @@ void AddBias(const void* bias, ElementType type, int64_t offset, int64_t stride,
   }
 }
 
+// tanh(a) = sign(a) r(|a|): for |a| < 0.625, r(a) = a + a^3 P(a^2) / Q(a^2) (Cephes' rational
+// approximation, 5e-18 relative), otherwise r(a) = (1 - e) / (1 + e) with e = exp(-2a) in
+// [0, 0.29], where 1 - e >= 0.71 cancels less than a bit. Both as one quotient (num / den
+// selected per lane), so one division per element; relative error a few ulp everywhere (what
+// z = cap * tanh needs to be as accurate as an uncapped logit when the cap is large), no
+// overflow (+-inf give +-1, NaN stays NaN). 1 - tanh^2 is (1 - r)(1 + r) for |a| < 0.625 and
+// e (1 + r)^2 = 4e / (1 + e)^2 beyond, which keeps a relative error of a few ulp where r
+// rounds to 1.
+template <typename A>
+void SoftCapRows(A* tile, int64_t rows, A cap, A* dtanh) {
+  using V = VecOf<A>;
+  constexpr int W = Simd<A>::kWidth;
+  const V vcap = Splat<V>(cap);
+  const V inv_cap = Splat<V>(A(1) / cap);
+  const V one = Splat<V>(A(1));
+  const int64_t count = rows * kLanes<A>;
+  for (int64_t o = 0; o < count; o += W) {
+    const V x = Load<V>(tile + o);
+    const auto negative = x < V{};
+    const V a = (negative ? -x : x) * inv_cap;
+    const V e = Exp(a * A(-2));
+    const V z = a * a;
+    V p = Splat<V>(A(-9.64399179425052238628e-1));
+    p = p * z + A(-9.92877231001918586564e1);
+    p = p * z + A(-1.61468768441708447952e3);
+    V q = z + A(1.12811678491632931402e2);
+    q = q * z + A(2.23548839060100448583e3);
+    q = q * z + A(4.84406305325125486048e3);
+    const auto small = a < A(0.625);
+    const V r = (small ? a * (q + z * p) : one - e) / (small ? q : one + e);
+    Store(tile + o, vcap * (negative ? -r : r));
+    if (dtanh != nullptr) {
+      const V up = one + r;
+      Store(dtanh + o, small ? (one - r) * up : e * (up * up));
+    }
+  }
+}
+
 template void ConvertRow<float>(const void*, ElementType, int64_t, int64_t, float, float*);
 template void ConvertRow<double>(const void*, ElementType, int64_t, int64_t, double, double*);
 template void AddBias<float>(const void*, ElementType, int64_t, int64_t, int64_t, float*, int64_t);
 template void AddBias<double>(const void*, ElementType, int64_t, int64_t, int64_t, double*,
                               int64_t);
+template void SoftCapRows<float>(float*, int64_t, float, float*);
+template void SoftCapRows<double>(double*, int64_t, double, double*);
 
 // ------------------------------------------------------------------------------------------
 // GEMM driver

@@ -280,6 +280,12 @@ template <typename A>
 void AddBias(const void* bias, ElementType type, int64_t offset, int64_t stride, int64_t count,
              A* dst, int64_t dst_stride);
 
+//! Logit soft-capping of `rows` tile rows (kLanes elements each, row stride kLanes, aligned):
+//! x becomes cap * tanh(x / cap); `dtanh` (same layout) or nullptr receives 1 - tanh^2(x / cap).
+//! Out of line, so that every pass caps its logits with the same instructions.
+template <typename A>
+void SoftCapRows(A* tile, int64_t rows, A cap, A* dtanh);
+
 // ------------------------------------------------------------------------------------------
 // GEMM micro-kernel
 // ------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@
     Logits are computed identically in every pass: the query row is multiplied by the scale
     when it is packed (rounded to the accumulation type), the dot product runs over the head
     dimension in the micro-kernel's chunks (kSumChunk terms, one fused multiply-add each),
-    and the bias is added after. The backward therefore recomputes exactly the forward's logits.
+    then the soft-cap is applied (one out-of-line routine, SoftCapRows) and the bias is added
+    after. The backward therefore recomputes exactly the forward's logits.
 */
 #pragma once
 
@@ -96,6 +97,33 @@ void PackTransposed(const Problem& pr, const Operand& op, int64_t b, int64_t row
   }
 }
 
+//! The soft-cap rounded to the accumulation type, 0 when off. A positive cap below A's
+//! smallest normal number becomes that number, so that 1 / cap stays finite.
+template <typename A>
+A SoftCap(const Problem& pr) {
+  const double cap = pr.options.softcap;
+  if (!(cap > 0)) return A(0);
+  return std::max(static_cast<A>(cap), std::numeric_limits<A>::min());
+}
+
+//! Soft-caps rows [0, rows) of a logits tile right after its product (see SoftCapRows).
+template <typename A>
+inline void CapLogits(const Problem& pr, A* tile, int64_t rows, A* dtanh) {
+  const A cap = SoftCap<A>(pr);
+  if (cap > A(0)) SoftCapRows<A>(tile, rows, cap, dtanh);
+}
+
+//! tile[r][:] *= factors[r][:] for rows r < rows of kLanes elements (the backward's dS times
+//! the derivative of the soft-cap).
+template <typename A>
+inline void MultiplyRows(A* tile, const A* factors, int64_t rows) {
+  using V = VecOf<A>;
+  constexpr int W = Simd<A>::kWidth;
+  for (int64_t o = 0; o < rows * kLanes<A>; o += W) {
+    Store(tile + o, Load<V>(tile + o) * Load<V>(factors + o));
+  }
+}
+
 //! Sets the lanes of one tile row outside [lo, hi] to -inf.
 template <typename A>
 inline void KeepLanes(A* row, int64_t lo, int64_t hi) {
@@ -106,14 +134,17 @@ inline void KeepLanes(A* row, int64_t lo, int64_t hi) {
 //! Logits tile with the queries on the lanes: st[j][i] for keys j0 + j (j < nk) and queries
 //! i0 + i (i < ni live rows; other lanes hold finite junk that no result reads). The key
 //! rows come from `k_rows` (row stride k_stride) and the scaled queries from the packed qt.
-//! Bias is added; invisible entries (window, mask) become -inf. Keys past kv_len must not be
-//! in [j0, j0 + nk).
+//! The soft-cap applies, then the bias is added; invisible entries (window, mask) become -inf.
+//! Keys past kv_len must not be in [j0, j0 + nk). Under soft-capping, `dtanh` (nk x kLanes,
+//! or nullptr) receives 1 - tanh^2 of each entry; it is left alone otherwise.
 template <typename A>
 void LogitsQueryLanes(const Problem& pr, int64_t b, int64_t n, int64_t i0, int64_t ni, int64_t j0,
-                      int64_t nk, const A* k_rows, int64_t k_stride, const A* qt, A* st) {
+                      int64_t nk, const A* k_rows, int64_t k_stride, const A* qt, A* st,
+                      A* dtanh = nullptr) {
   constexpr int64_t L = kLanes<A>;
   const ForwardParams& p = pr.p;
   Gemm<A>(st, L, nk, k_rows, k_stride, 1, qt, L, pr.H, false);
+  CapLogits<A>(pr, st, nk, dtanh);
   if (p.bias.present()) {
     for (int64_t i = 0; i < ni; ++i) {
       AddBias<A>(p.bias.data, p.bias.dtype, pr.LogitOffset(p.bias, b, n, i0 + i, j0),
@@ -143,13 +174,15 @@ void LogitsQueryLanes(const Problem& pr, int64_t b, int64_t n, int64_t i0, int64
 
 //! Logits tile with the keys on the lanes: s[i][j] for queries i0 + i (i < ni) and keys
 //! j0 + j (j < nj live lanes; lanes nj.. are -inf). `q_rows` are the scaled query rows
-//! (row stride H), kt the packed H x kLanes key tile.
+//! (row stride H), kt the packed H x kLanes key tile. Soft-cap, bias and visibility as in
+//! LogitsQueryLanes; `dtanh` is ni x kLanes.
 template <typename A>
 void LogitsKeyLanes(const Problem& pr, int64_t b, int64_t n, int64_t i0, int64_t ni, int64_t j0,
-                    int64_t nj, const A* q_rows, const A* kt, A* s) {
+                    int64_t nj, const A* q_rows, const A* kt, A* s, A* dtanh = nullptr) {
   constexpr int64_t L = kLanes<A>;
   const ForwardParams& p = pr.p;
   Gemm<A>(s, L, ni, q_rows, pr.H, 1, kt, L, pr.H, false);
+  CapLogits<A>(pr, s, ni, dtanh);
   if (p.bias.present()) {
     for (int64_t i = 0; i < ni; ++i) {
       AddBias<A>(p.bias.data, p.bias.dtype, pr.LogitOffset(p.bias, b, n, i0 + i, j0),

@@ -27,12 +27,13 @@ namespace jax_flash::sm90 {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_>
+template <class Element_, int kHeadDim_, bool kSoftcap_>
 struct BackwardKernelTraits {
   using Element = Element_;
   using Tile = BackwardTileConfig<kHeadDim_>;
 
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kSoftcap = kSoftcap_;  //!< logits are soft-capped (softcap.h)
   static constexpr int kBlockM = Tile::kBlockM;  //!< queries per step
   static constexpr int kBlockN = Tile::kBlockN;  //!< keys per CTA
   static constexpr int kStagesQ = Tile::kStagesQ;

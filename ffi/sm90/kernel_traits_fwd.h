@@ -17,12 +17,13 @@ namespace jax_flash::sm90 {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_>
+template <class Element_, int kHeadDim_, bool kSoftcap_>
 struct ForwardKernelTraits {
   using Element = Element_;
   using Tile = ForwardTileConfig<kHeadDim_>;
 
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kSoftcap = kSoftcap_;  //!< logits are soft-capped (softcap.h)
   static constexpr int kBlockM = Tile::kBlockM;
   static constexpr int kBlockN = Tile::kBlockN;
   static constexpr int kStages = Tile::kStages;

@@ -110,6 +110,7 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
   mainloop.dq_semaphore = dq_semaphore;
   mainloop.num_m_blocks = int32_t(num_m_blocks);
   mainloop.scale_log2 = kernel_scale(f) * kLog2e;
+  mainloop.softcap = kernel_softcap(f);
   // A window bounded on one side only makes the key blocks at the other end see more queries:
   // causal (bounded on the right) gives the first key blocks the most work, which the natural
   // order already runs first. Every key block of a head reads all its queries' Q and dO and
@@ -154,8 +155,16 @@ template <ElementType kDtype, int kTileHeadDim>
 Status RunBackwardTile(const BackwardParams& params, const BackwardWorkspaceLayout& layout,
                        void* workspace, const LaunchContext& context) {
   using Element = typename CutlassElement<kDtype>::type;
-  return launch_backward<BackwardKernelTraits<Element, kTileHeadDim>>(params, layout, workspace,
-                                                                      context);
+  if (params.fwd.options.softcap > 0) {
+    if constexpr (kBackwardTakesSoftcap) {
+      static_assert(!kBackwardTakesBias,
+                    "softcap.h recovers tanh from P and the lse, which a bias would shift");
+      return launch_backward<BackwardKernelTraits<Element, kTileHeadDim, true>>(
+          params, layout, workspace, context);
+    }
+  }
+  return launch_backward<BackwardKernelTraits<Element, kTileHeadDim, false>>(params, layout,
+                                                                             workspace, context);
 }
 
 }  // namespace jax_flash::sm90

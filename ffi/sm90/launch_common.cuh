@@ -16,6 +16,7 @@
 #include "kernel_traits.h"
 #include "launch.h"
 #include "seqlen.h"
+#include "softcap.h"
 #include "tile_scheduler.h"
 
 namespace jax_flash::sm90 {
@@ -97,6 +98,12 @@ auto sequence_tensor(const Operand& op, int64_t seqlen, int64_t heads, int64_t h
 //! without a -inf * 0.
 inline float kernel_scale(const ForwardParams& p) {
   return std::max(static_cast<float>(p.options.scale), 1.17549435e-38f);
+}
+
+//! The soft-cap constants of the mainloops (softcap.h); unused when the cap is off.
+inline LogitSoftcap kernel_softcap(const ForwardParams& p) {
+  return p.options.softcap > 0 ? LogitSoftcap::make(kernel_scale(p), float(p.options.softcap))
+                               : LogitSoftcap{};
 }
 
 //! Fills the scheduler's tile walk over `num_blocks` blocks of `num_heads_total` heads. Heads

@@ -32,6 +32,7 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   mainloop.k = sequence_tensor<Element>(p.k, s.seqlen_k, s.num_kv_heads, s.head_dim, s.batch);
   mainloop.v = sequence_tensor<Element>(p.v, s.seqlen_k, s.num_kv_heads, s.head_dim, s.batch);
   mainloop.scale_log2 = kernel_scale(p) * kLog2e;
+  mainloop.softcap = kernel_softcap(p);
   kp.mainloop = Kernel::Mainloop::to_params(mainloop);
 
   typename Kernel::Epilogue::Arguments epilogue;
@@ -59,7 +60,12 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
 template <ElementType kDtype, int kTileHeadDim>
 Status RunForwardTile(const ForwardParams& params, const LaunchContext& context) {
   using Element = typename CutlassElement<kDtype>::type;
-  return launch_forward<ForwardKernelTraits<Element, kTileHeadDim>>(params, context);
+  if (params.options.softcap > 0) {
+    if constexpr (kForwardTakesSoftcap) {
+      return launch_forward<ForwardKernelTraits<Element, kTileHeadDim, true>>(params, context);
+    }
+  }
+  return launch_forward<ForwardKernelTraits<Element, kTileHeadDim, false>>(params, context);
 }
 
 }  // namespace jax_flash::sm90

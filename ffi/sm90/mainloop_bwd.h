@@ -20,6 +20,7 @@
 
 #include "block_range.h"
 #include "mask.h"
+#include "softcap.h"
 #include "named_barriers.h"
 #include "seqlen.h"
 #include "tile_scheduler.h"
@@ -57,6 +58,7 @@ struct BackwardMainloop {
     bool reverse_key_blocks;  //!< the scheduler launches a head's key blocks last to first
     int32_t num_m_blocks;
     float scale_log2;  //!< softmax scale times log2(e), > 0
+    LogitSoftcap softcap;  //!< used when Traits::kSoftcap
   };
 
   struct Params {
@@ -72,6 +74,7 @@ struct BackwardMainloop {
     bool reverse_key_blocks;
     int32_t num_m_blocks;
     float scale_log2;
+    LogitSoftcap softcap;
   };
 
   static Params to_params(Arguments const& args) {
@@ -101,6 +104,7 @@ struct BackwardMainloop {
     params.reverse_key_blocks = args.reverse_key_blocks;
     params.num_m_blocks = args.num_m_blocks;
     params.scale_log2 = args.scale_log2;
+    params.softcap = args.softcap;
     return params;
   }
 
@@ -379,8 +383,10 @@ struct BackwardMainloop {
                                              tdPrdP);
       warpgroup_wait<1>();  // S^T complete; dP^T may still run
 
-      // P^T = exp2(S^T * scale * log2(e) - lse * log2(e)), from the saved log-sum-exp.
+      // P^T = exp2(S^T * scale * log2(e) - lse * log2(e)), from the saved log-sum-exp, with
+      // S^T capped and masked as in the forward.
       Tensor s = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
+      if constexpr (Traits::kSoftcap) params.softcap.apply(s);
       if (Range::needs_mask</*kMaskQueryTail=*/true>(problem, info.lens, m_block,
                                                       info.coord.block)) {
         mask.apply(s, visibility, info.n_start(), m_block * kBlockM);
@@ -403,7 +409,8 @@ struct BackwardMainloop {
         copy(smem_copy_pds, thr_copy_pds.retile_S(rP), thr_copy_pds.partition_D(sPt)(_, _, _, ds_stage));
       }
 
-      // dS^T = P^T * (dP^T - D), D = rowsum(dO * O) - dlse per query.
+      // dS^T = P^T * (dP^T - D), D = rowsum(dO * O) - dlse per query; times tanh' where
+      // the logits are capped.
       warpgroup_wait<0>();
       Tensor dp = make_tensor(tdPrdP.data(), accumulator_rowcol(tdPrdP.layout()));
       const auto d_column = column_values(storage.row_term.data() + read_do.index() * kBlockM);
@@ -411,6 +418,18 @@ struct BackwardMainloop {
       for (int r = 0; r < size<0>(dp); ++r) {
         CUTE_UNROLL
         for (int c = 0; c < kColumns; ++c) dp(r, c) = s(r, c) * (dp(r, c) - d_column[c]);
+      }
+      if constexpr (Traits::kSoftcap) {
+        // The log-sum-exps are read again from shared memory (their Q stage is still held)
+        // rather than kept in registers across dP^T.
+        const auto lse_again = column_values(storage.lse.data() + read_q.index() * kBlockM);
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(dp); ++r) {
+          CUTE_UNROLL
+          for (int c = 0; c < kColumns; ++c) {
+            dp(r, c) *= params.softcap.derivative(s(r, c), lse_again[c]);
+          }
+        }
       }
       Tensor tdKrdS = make_tensor<Element>(accumulator_as_a_operand(tdPrdP.layout()));
       convert_into(tdPrdP, tdKrdS);

@@ -1,7 +1,7 @@
 /*! \file mainloop_fwd.h
     \brief The forward mainloop collective: its arguments, parameters (TMA descriptors) and
            shared storage; the producer's TMA loads of Q and of the K/V pipeline; the consumers'
-           QK^T -> mask -> online softmax -> PV sequence.
+           QK^T -> soft-cap (optional) -> mask -> online softmax -> PV sequence.
 
     Consumers overlap within a warpgroup: while the softmax of key block j runs, the wgmma of
     P_{j+1} V_{j+1} (issued just before) proceeds on the tensor cores. Across warpgroups they
@@ -18,6 +18,7 @@
 #include "mask.h"
 #include "named_barriers.h"
 #include "seqlen.h"
+#include "softcap.h"
 #include "softmax.h"
 #include "tile_scheduler.h"
 #include "utils.h"
@@ -39,6 +40,7 @@ struct ForwardMainloop {
     typename Traits::GmemTensorSeq q, k, v;
     DeviceBatchMap q_batch, k_batch, v_batch;  //!< own batch item of each operand
     float scale_log2;                          //!< softmax scale times log2(e), > 0
+    LogitSoftcap softcap;                      //!< used when Traits::kSoftcap
   };
 
   struct Params {
@@ -48,6 +50,7 @@ struct ForwardMainloop {
     typename Traits::ShapeSeq shape_q, shape_k, shape_v;
     DeviceBatchMap q_batch, k_batch, v_batch;
     float scale_log2;
+    LogitSoftcap softcap;
   };
 
   static Params to_params(Arguments const& args) {
@@ -67,6 +70,7 @@ struct ForwardMainloop {
     params.k_batch = args.k_batch;
     params.v_batch = args.v_batch;
     params.scale_log2 = args.scale_log2;
+    params.softcap = args.softcap;
     return params;
   }
 
@@ -219,7 +223,9 @@ struct ForwardMainloop {
     BlockMask<Traits::kBlockM, Traits::kBlockN, typename Traits::TiledMmaQK> mask(thread_idx);
     const RowVisibility visibility = RowVisibility::of</*kRowsAreKeys=*/false>(problem, info.lens);
 
-    auto mask_block = [&](int n_block) {
+    // The cap comes before masking: masked logits must end at -inf.
+    auto cap_and_mask = [&](int n_block) {
+      if constexpr (Traits::kSoftcap) params.softcap.apply(s);
       if (Range::needs_mask</*kMaskQueryTail=*/false>(problem, info.lens, info.coord.block,
                                                        n_block)) {
         mask.apply(s, visibility, info.m_start(), n_block * Traits::kBlockN);
@@ -234,7 +240,7 @@ struct ForwardMainloop {
 
     storage.q_full.wait(q_phase);
 
-    // First (last-visited) key block: S, mask, softmax without history.
+    // First (last-visited) key block: S, cap and mask, softmax without history.
     int n_block = info.keys.end - 1;
     pipeline_k.consumer_wait(read_state);
     wait_turn(warp_group);
@@ -243,7 +249,7 @@ struct ForwardMainloop {
     warpgroup_wait<0>();
     pipeline_k.consumer_release(read_state);
     if (n_block == info.keys.begin) release_q();
-    mask_block(n_block);
+    cap_and_mask(n_block);
     softmax.template step</*kFirst=*/true>(s);
     convert_into(tSrS, tOrP);
     ++read_state;
@@ -260,7 +266,7 @@ struct ForwardMainloop {
       warpgroup_wait<1>();  // S_j complete; P V may still run
       pipeline_k.consumer_release(read_state);
       if (n_block == info.keys.begin) release_q();
-      mask_block(n_block);
+      cap_and_mask(n_block);
       const auto rescale = softmax.template step</*kFirst=*/false>(s);
       warpgroup_wait<0>();  // P V complete: O may be rescaled and P overwritten
       pipeline_v.consumer_release(v_state);

@@ -1,0 +1,401 @@
+"""Logit soft-capping (``logits_soft_cap``, Gemma 2): every scaled logit x = scale * q.k becomes
+cap * tanh(x / cap) before the bias and masking, in the kernels, in the blockwise path (called
+directly) and through jax's transformations.
+
+Results are compared with the float64 definition (tests/_reference.py, which soft-caps the same
+way and whose gradient, by jax's derivative of the definition, includes the tanh's), under the
+criterion of tests/_tolerances.py. jax's own attention has no soft-capping, so the baseline of
+a soft-capped case is the definition in the input dtype (float32 on the CPU for the log-sum-exp).
+
+The queries and keys of the capped cases are scaled up (STD) so that most logits lie far
+beyond the cap, where the cap changes the result most and its derivative is close to 0.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+import jax_flash.flax as jf
+from jax_flash import _blockwise, _config, _primitive
+from jax_flash._validation import canonicalize
+
+from _harness import (Case, assert_close, check_forward, check_gradients, cotangents,
+                      default_dtype, default_head_dim, forward_baseline, live_rows, lse_baseline,
+                      make_inputs, np_dtype, reference_hi, run_ours, visibility)
+from _platforms import GPU, platform_dtypes, platform_params, with_platform
+
+CAP = 5.0
+# q and k entries of standard deviation STD give scaled logits of standard deviation STD**2 = 9
+# (scale 1/sqrt(H)): most lie beyond the cap.
+STD = 3.0
+NO_BIND = 1e4  # a cap far above every logit of unit-scale inputs
+
+
+def case_on(platform: str, **fields) -> Case:
+  fields.setdefault("dtype", default_dtype(platform))
+  fields.setdefault("H", default_head_dim(platform))
+  fields.setdefault("softcap", CAP)
+  fields.setdefault("std", STD)
+  return Case(**fields)
+
+
+def scaled_logits(case: Case, inp) -> np.ndarray:
+  """The scaled logits x = scale * q.k in float64, (B, N, T, S)."""
+  q, k = (np.asarray(x, np.float64) for x in (inp.q, inp.k))
+  if case.B is None:
+    q, k = q[None], k[None]
+  scale = 1.0 / np.sqrt(case.H) if case.scale is None else case.scale
+  return np.einsum("btnh,bsnh->bnts", q, np.repeat(k, case.N // case.kv_heads, axis=2)) * scale
+
+
+def assert_cap_binds(case: Case, inp) -> None:
+  """The case tests the cap: half of the visible logits lie beyond it, some far beyond."""
+  x = np.broadcast_to(scaled_logits(case, inp), (case.batch, case.N, case.T, case.S))
+  x = np.abs(x[visibility(case, inp)])
+  assert np.mean(x > case.softcap) > 0.5 and np.mean(x > 3 * case.softcap) > 0.05, (
+      "the cap must bind on this case")
+
+
+CASES = {
+    "awkward-sizes": dict(T=37, S=53, H=24),
+    "causal-gqa": dict(T=61, S=45, N=4, K=2, is_causal=True),
+    "window-lengths": dict(B=3, T=40, S=33, q_lens=(40, 17, 0), kv_lens=(33, 5, 20),
+                           window=(6, 3)),
+    "bias-mask": dict(T=29, S=41, bias="BNTS", mask="B1TS"),
+    "dead-rows-broadcast-bias": dict(T=30, S=19, bias="B1TS", mask="BNTS", dead_rows=True,
+                                     q_lens=(30, 20)),
+    "unbatched-mqa-negative-scale": dict(B=None, T=21, S=30, N=4, K=1, bias="NTS", scale=-0.4),
+}
+# Each dtype on the CPU kernels for these; the default dtype for the others.
+ALL_DTYPE_CASES = ("causal-gqa",)
+
+
+def _cases_and_dtypes():
+  params = []
+  for name in CASES:
+    cpu = [d.name for d in _config.CPU_DTYPES] if name in ALL_DTYPE_CASES else ["float32"]
+    for p in platform_dtypes(cpu, [d.name for d in _config.GPU_DTYPES]):
+      platform, dtype = p.values
+      params.append(pytest.param(platform, dtype, name, marks=p.marks, id=f"{p.id}-{name}"))
+  return params
+
+
+@with_platform("platform,dtype,name", _cases_and_dtypes())
+def test_forward(platform, dtype, name):
+  case = case_on(platform, dtype=dtype, **CASES[name])
+  inp = make_inputs(case)
+  assert_cap_binds(case, inp)
+  check_forward(case, platform, inp=inp)
+
+
+@with_platform("platform,dtype,name", _cases_and_dtypes())
+def test_gradients(platform, dtype, name):
+  """dq, dk, dv, dbias; the cotangent also reaches the log-sum-exp."""
+  check_gradients(case_on(platform, dtype=dtype, **CASES[name]), platform, through_lse=True)
+
+
+@with_platform("platform,dtype", platform_dtypes(["float32"]))
+def test_cap_that_does_not_bind_equals_uncapped(platform, dtype):
+  """A cap far above every logit changes them by about x^3 / (3 cap^2), below the dtype's
+  resolution: the result is the uncapped one, judged like the uncapped call (xla's baseline)."""
+  plain = case_on(platform, dtype=dtype, T=37, S=53, N=4, K=2, is_causal=True, bias="B1TS",
+                  softcap=None, std=1.0)
+  capped = plain.replace(softcap=NO_BIND)
+  inp = make_inputs(plain)
+  out, lse = check_forward(capped, platform, inp=inp)
+  vis = visibility(plain, inp)
+  live = live_rows(plain, vis)
+  ref_out, ref_lse = reference_hi(plain, inp, vis)
+  base, base_name = forward_baseline(plain, inp, platform)
+  base_lse = lse_baseline(plain, inp)
+  assert_close("output against the uncapped reference", out.astype(np.float64)[live],
+               ref_out[live], base[live], kind="fwd", dtype=np_dtype(dtype), note=base_name)
+  assert_close("lse against the uncapped reference", lse[live], ref_lse[live], base_lse[live],
+               kind="lse", dtype=np_dtype(dtype), result_dtype=np.float32, note="xla float32")
+
+
+def test_cap_changes_the_result(platform):
+  """The capped cases are not the uncapped ones in disguise."""
+  case = case_on(platform, T=37, S=53)
+  inp = make_inputs(case)
+  capped, _ = run_ours(case, inp, return_residual=True)
+  plain, _ = run_ours(case.replace(softcap=None), inp, return_residual=True)
+  assert np.abs(capped.astype(np.float64) - plain.astype(np.float64)).max() > 0.1
+
+
+def test_rows_without_visible_keys(platform):
+  """Rows that see no key: output 0 and lse -inf, no NaN anywhere, and cotangents on those rows
+  change no gradient (dq and dbias are exactly 0 there)."""
+  case = case_on(platform, T=30, S=25, mask="BNTS", dead_rows=True, bias="BNTS",
+                 q_lens=(30, 12), kv_lens=(25, 0))
+  inp = make_inputs(case)
+  vis = visibility(case, inp)
+  live = live_rows(case, vis)
+  assert (~live).any() and live.any()
+  check_forward(case, platform, inp=inp)
+  dout, dlse = cotangents(case, inp, vis, seed=0)  # zero on empty rows
+  rng = np.random.default_rng(7)
+  dout_noisy = np.where(live[..., None], dout, rng.standard_normal(dout.shape)).astype(dout.dtype)
+  dlse_noisy = np.where(live, dlse, rng.standard_normal(dlse.shape)).astype(dlse.dtype)
+
+  def grads(dout, dlse):
+    def f(q, k, v, b):
+      return jax_flash.dot_product_attention(
+          q, k, v, b, jnp.asarray(inp.mask), query_seq_lengths=jnp.asarray(inp.q_lens),
+          key_value_seq_lengths=jnp.asarray(inp.kv_lens), return_residual=True,
+          logits_soft_cap=case.softcap)
+    _, pullback = jax.vjp(f, *(jnp.asarray(x) for x in (inp.q, inp.k, inp.v, inp.bias)))
+    return [np.asarray(g) for g in pullback((jnp.asarray(dout), jnp.asarray(dlse)))]
+
+  clean, noisy = grads(dout, dlse), grads(dout_noisy, dlse_noisy)
+  for name, a, b in zip(("dq", "dk", "dv", "dbias"), clean, noisy):
+    assert np.isfinite(b.astype(np.float64)).all(), name
+    np.testing.assert_array_equal(a, b, err_msg=name)
+  assert np.all(noisy[0][~live] == 0)
+  assert np.all(np.swapaxes(noisy[3], 1, 2)[~live] == 0)
+
+
+# --- transformations ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wrap", [None, jax.jit], ids=["eager", "jit"])
+def test_eager_and_jit(platform, wrap):
+  check_forward(case_on(platform, T=13, S=17, is_causal=True, kv_lens=(17, 9)), platform,
+                wrap=wrap)
+
+
+def test_jit_of_grad(platform):
+  case = case_on(platform, T=13, S=17, bias="BNTS", is_causal=True)
+
+  def grad_fn(f, primals, cotangent):
+    def loss(*p):
+      return jnp.sum(f(*p).astype(jnp.float32) * cotangent.astype(jnp.float32))
+    grads = jax.jit(jax.grad(loss, argnums=tuple(range(len(primals)))))(*primals)
+    return grads, f(*primals)
+
+  check_gradients(case, platform, grad_fn=grad_fn)
+
+
+def test_vmap_and_grad_of_vmap(platform):
+  """vmap over the query with shared key/value equals one call per mapped query, for the output
+  and for the gradients (the shared key/value's summed over the mapped problems)."""
+  case = case_on(platform, T=13, S=17, N=4, K=2, is_causal=True)
+  rng = np.random.default_rng(3)
+  dt = np_dtype(case.dtype)
+  inp = make_inputs(case)
+  qs = jnp.asarray((rng.standard_normal((3,) + inp.q.shape) * STD).astype(dt))
+  k, v = jnp.asarray(inp.k), jnp.asarray(inp.v)
+  dout = jnp.asarray(rng.standard_normal(qs.shape).astype(dt))
+
+  def call(q, k, v):
+    return jax_flash.dot_product_attention(q, k, v, is_causal=True, logits_soft_cap=CAP)
+
+  def loss(q, k, v):
+    out = jax.vmap(call, in_axes=(0, None, None))(q, k, v)
+    return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
+
+  mapped = np.asarray(jax.jit(jax.vmap(call, in_axes=(0, None, None)))(qs, k, v))
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qs, k, v)
+  single = [np.asarray(call(qs[m], k, v)) for m in range(3)]
+  single_grads = [jax.grad(lambda q, k, v, m=m: jnp.sum(call(q, k, v).astype(jnp.float32)
+                                                         * dout[m].astype(jnp.float32)),
+                           argnums=(0, 1, 2))(qs[m], k, v) for m in range(3)]
+  # The same kernels on the same rows: the same values (on the CPU, bit for bit; the Hopper
+  # backward adds dQ in any order), up to the order of the sums over the mapped problems for the
+  # shared key/value.
+  results = [("out", mapped, np.stack(single)),
+             ("dq", grads[0], np.stack([g[0] for g in single_grads]))]
+  results += [(name, grads[i], sum(np.asarray(g[i], np.float64) for g in single_grads))
+              for i, name in ((1, "dk"), (2, "dv"))]
+  for name, got, want in results:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    exact = platform == "cpu" and name in ("out", "dq")
+    tol = 0.0 if exact else 4 * float(jnp.finfo(dt).eps) * max(1.0, np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol, err_msg=name)
+
+
+# --- the blockwise path, called directly -------------------------------------------------------
+
+BLOCK_K = 16  # several key blocks, the last one overlapping its predecessor
+
+
+def _canonical(case: Case, q, k, v, bias, mask, q_lens, kv_lens):
+  assert case.scale is None or case.scale >= 0, "a negative scale negates the query"
+  call = canonicalize(q, k, v, bias, mask, scale=case.scale, is_causal=case.is_causal,
+                      query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
+                      local_window_size=case.window, logits_soft_cap=case.softcap)
+  assert call.config.softcap == case.softcap
+  return call, (call.config, call.query, call.key, call.value, call.bias, call.mask,
+                call.query_seq_lengths, call.key_value_seq_lengths)
+
+
+def _public(call, out, lse):
+  """(out, lse) shaped as dot_product_attention returns them."""
+  lse = jnp.swapaxes(lse, -1, -2)
+  return (out[0], lse[0]) if call.unbatched else (out, lse)
+
+
+def _blockwise_run(case: Case, inp):
+  """run(q, k, v, bias, dout, dlse) -> ([dq, dk, dv(, dbias)], (out, lse)): _blockwise.forward,
+  then _blockwise.backward with the output and lse cotangents (no jax differentiation
+  involved); mask and lengths are the case's. One compilation serves the forward check and
+  the gradient check."""
+  @jax.jit
+  def run(q, k, v, bias, dout, dlse):
+    call, args = _canonical(case, q, k, v, bias, inp.mask, inp.q_lens, inp.kv_lens)
+    out, lse = _blockwise.forward(*args, block_k=BLOCK_K)
+    dout = dout.reshape(out.shape)
+    dlse = jnp.swapaxes(dlse.reshape(lse.shape[:1] + dlse.shape[-2:]), -1, -2)
+    dq, dk, dv, dbias = _blockwise.backward(*args, out, lse, dout, dlse, block_k=BLOCK_K)
+    grads = [g.reshape(x.shape) for g, x in ((dq, q), (dk, k), (dv, v))]
+    if bias is not None:
+      grads.append(dbias.reshape(bias.shape))
+    return grads, _public(call, out, lse)
+
+  return run
+
+
+def _blockwise_forward(run):
+  """A `wrap` for check_forward: f(q, k, v, bias, ...) -> (out, lse) from `run`."""
+  def f(q, k, v, bias=None, *unused):  # mask and lengths: the case's, already in `run`
+    lse = jnp.zeros(q.shape[:-1], _config.accumulation_dtype(q.dtype))
+    return run(q, k, v, bias, jnp.zeros_like(q), lse)[1]
+  return lambda ours: f
+
+
+def _blockwise_grads(run):
+  """A grad_fn for check_gradients from `run`."""
+  def grad_fn(f, primals, cotangent):
+    del f
+    q, k, v, *bias = primals
+    through_lse = isinstance(cotangent, tuple)
+    dout, dlse = cotangent if through_lse else (cotangent, None)
+    if dlse is None:
+      dlse = jnp.zeros(q.shape[:-1], _config.accumulation_dtype(q.dtype))
+    grads, (out, lse) = run(q, k, v, bias[0] if bias else None, dout, dlse)
+    return grads, ((out, lse) if through_lse else out)
+
+  return grad_fn
+
+
+BLOCKWISE_CASES = {
+    "causal-gqa-bias": dict(T=37, S=53, N=4, K=2, H=24, is_causal=True, bias="B1TS"),
+    "window-lengths-mask": dict(B=3, T=40, S=50, q_lens=(40, 17, 0), kv_lens=(50, 5, 20),
+                                window=(9, 3), mask="1NTS", dead_rows=True),
+}
+
+
+def _blockwise_params():
+  params = []
+  for name, cpu_dtypes in (("causal-gqa-bias", ["bfloat16"]),
+                           ("window-lengths-mask", ["float64"])):
+    for p in platform_dtypes(cpu_dtypes):
+      platform, dtype = p.values
+      params.append(pytest.param(platform, dtype, name, marks=p.marks, id=f"{p.id}-{name}"))
+  return params
+
+
+@with_platform("platform,dtype,name", _blockwise_params())
+def test_blockwise_path(platform, dtype, name):
+  case = case_on(platform, dtype=dtype, **BLOCKWISE_CASES[name])
+  inp = make_inputs(case)
+  assert_cap_binds(case, inp)
+  run = _blockwise_run(case, inp)
+  check_forward(case, platform, inp=inp, wrap=_blockwise_forward(run))
+  check_gradients(case, platform, inp=inp, through_lse=True, grad_fn=_blockwise_grads(run))
+
+
+# --- routing -----------------------------------------------------------------------------------
+
+
+def test_gpu_routing_follows_the_softcap_feature():
+  """A soft-capped call runs on a Hopper kernel only if the kernel lists "softcap"."""
+  config = canonicalize(*(np.zeros((1, 4, 2, 8), np.float32),) * 3, None, None, scale=None,
+                        is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
+                        local_window_size=None, logits_soft_cap=CAP).config
+  plain = canonicalize(*(np.zeros((1, 4, 2, 8), np.float32),) * 3, None, None, scale=None,
+                       is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
+                       local_window_size=None).config
+  assert plain.softcap == 0.0 and config.softcap == CAP
+  with_cap = _config.Kernel(tiles=(), features=frozenset({"softcap"}))
+  without = _config.Kernel(tiles=(), features=frozenset())
+  route = functools.partial(_primitive._on_gpu_kernel, kernel_call="kernel",
+                            blockwise_call="blockwise", bias=None, mask=None)
+  assert route(with_cap, config=config) == "kernel"
+  assert route(without, config=config) == "blockwise"
+  assert route(without, config=plain) == "kernel"
+
+
+@pytest.mark.parametrize("platform", [GPU], indirect=True)
+def test_soft_capped_calls_reach_the_hopper_kernels(platform):
+  q = jnp.zeros((1, 64, 2, 64), _config.GPU_DTYPES[0])
+
+  def loss(q, k, v):
+    return jnp.sum(jax_flash.dot_product_attention(
+        q, k, v, is_causal=True, logits_soft_cap=CAP).astype(jnp.float32))
+
+  hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, q, q).compile().as_text()
+  assert ("jax_flash_fwd" in hlo) == ("softcap" in _config.SM90_FORWARD.features)
+  assert ("jax_flash_bwd" in hlo) == ("softcap" in _config.SM90_BACKWARD.features)
+
+
+# --- the Hopper kernels ------------------------------------------------------------------------
+
+
+def _gpu_head_dims():
+  """Every compiled tile's head dim and one that is padded onto a tile (72)."""
+  return sorted(set(_config.GPU_HEAD_DIMS) | {72})
+
+
+@with_platform("platform,H", platform_params([], _gpu_head_dims()))
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_gpu_kernels_head_dims(platform, H, is_causal):
+  """Forward and gradients of the Hopper kernels over several query and key blocks, with GQA
+  and ragged lengths, in each dtype."""
+  for i, dtype in enumerate(_config.GPU_DTYPES):
+    case = Case(B=2, T=190, S=190 if is_causal else 230, N=4, K=2, H=H, dtype=dtype.name,
+                is_causal=is_causal, q_lens=(190, 77), kv_lens=(150 + 40 * i, 100),
+                softcap=CAP, std=STD)
+    check_forward(case, platform)
+    check_gradients(case, platform, through_lse=True)
+
+
+@with_platform("platform,cap", platform_params([], [1.0, 30.0]))
+def test_gpu_kernels_caps(platform, cap):
+  """A tight cap (almost every logit saturated) and a loose one, over many key blocks."""
+  case = Case(B=1, T=300, S=300, N=2, H=128, dtype=_config.GPU_DTYPES[-1].name,
+              is_causal=True, softcap=cap, std=STD)
+  check_forward(case, platform)
+  check_gradients(case, platform)
+
+
+# --- Flax ----------------------------------------------------------------------------------------
+
+
+def test_flax_attention_fn_soft_caps():
+  """make_attention_fn(logits_soft_cap=...) passes the cap on, with flax's float masks and
+  extra batch axes folded."""
+  rng = np.random.default_rng(9)
+  q = jnp.asarray(rng.standard_normal((2, 3, 7, 4, 16)) * STD, jnp.float32)
+  k = jnp.asarray(rng.standard_normal((2, 3, 11, 4, 16)) * STD, jnp.float32)
+  v = jnp.asarray(rng.standard_normal((2, 3, 11, 4, 16)), jnp.float32)
+  mask = (rng.random((2, 3, 1, 7, 11)) < 0.8).astype(np.float32)
+  mask[..., 0] = 1
+  fn = jf.make_attention_fn(is_causal=False, logits_soft_cap=CAP)
+  assert f"logits_soft_cap={CAP!r}" in fn.__doc__
+
+  def flat(x):
+    return x.reshape((6,) + x.shape[2:])
+
+  out = fn(q, k, v, mask=jnp.asarray(mask), deterministic=True)
+  want = jax_flash.dot_product_attention(flat(q), flat(k), flat(v), mask=flat(mask) != 0,
+                                         logits_soft_cap=CAP)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(want).reshape(out.shape))
+  grads = jax.grad(lambda q: jnp.sum(jnp.sin(fn(q, k, v, mask=jnp.asarray(mask)))))(q)
+  assert np.isfinite(np.asarray(grads)).all()
