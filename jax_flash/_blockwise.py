@@ -5,17 +5,18 @@ The same contract as the FFI calls in `_primitive` (`forward` mirrors `_forward_
 
   q (B, T, N, H); k, v (B, S, K, H) with K dividing N (query head n reads kv head n // (N // K));
   bias, mask: None or (B|1, N|1, T|1, S|1), bias floating, mask bool; q_len, kv_len: None or
-  (B,) int32.
+  (B,) int32; the keyword arguments q_seg, kv_seg: None or segment ids (B, T) and (B, S) int32,
+  both or neither (the FFI calls' spans are not needed here).
 
 Semantics (those of the kernels, see ffi/common/attention_params.h):
   x = scale * q.k, with products accumulated in float32 (float64 for float64 problems);
   logits = softcap * tanh(x / softcap) + bias with soft-capping (config.softcap > 0), else
   x + bias, in the accumulation dtype; key j is visible to query i iff (left < 0 or
-  j >= i - left) and (right < 0 or j <= i + right) and j < kv_len[b] and mask and i < q_len[b].
-  The softmax runs over the visible keys only; a row that sees no key, or whose visible logits
-  are all -inf, gives output 0 and lse -inf. The backward takes the lse cotangent:
-  D = rowsum(dout * out) - dlse, dS = P * (dP - D), which is the bias gradient; dq and dk take
-  dS times the soft-cap's derivative 1 - tanh(x / softcap)^2.
+  j >= i - left) and (right < 0 or j <= i + right) and j < kv_len[b] and mask and i < q_len[b]
+  and q_seg[b, i] == kv_seg[b, j]. The softmax runs over the visible keys only; a row that sees
+  no key, or whose visible logits are all -inf, gives output 0 and lse -inf. The backward takes
+  the lse cotangent: D = rowsum(dout * out) - dlse, dS = P * (dP - D), which is the bias
+  gradient; dq and dk take dS times the soft-cap's derivative 1 - tanh(x / softcap)^2.
 
 Structure. Nothing of size T x S per head is ever formed. The key axis is cut into blocks of
 `block_k` keys and a `lax.scan` walks them:
@@ -53,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _config
+from . import _config, _varying
 
 # Rows whose saved lse has at least this magnitude get P renormalised in the backward: from there
 # on, the rounding of lse alone (half an ulp) shifts every exp(S - lse) of the row by 64 units of
@@ -105,7 +106,7 @@ def _dot(spec: str, a, b, acc_dtype):
 class _Plan:
   """Static shapes and the per-block views shared by the forward and the backward."""
 
-  def __init__(self, config, q, k, bias, mask, kv_len, block_k):
+  def __init__(self, config, q, k, bias, mask, kv_len, q_seg, kv_seg, block_k):
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     self.B, self.T, self.N, self.H, self.S, self.K = B, T, N, H, S, K
@@ -129,6 +130,8 @@ class _Plan:
     self.bias = bias
     self.mask = mask
     self.kv_len = kv_len
+    self.q_seg = q_seg
+    self.kv_seg = kv_seg
 
   def _five(self, x):
     """(B|1, N|1, T|1, S|1) -> (B|1, K|1, G|1, T|1, S|1)."""
@@ -187,6 +190,9 @@ class _Plan:
       vis = conj(vis, key[None, None, None] < self.kv_len[:, None, None, None, None])
     if self.mask is not None:
       vis = conj(vis, self.block_of(self.mask, start))
+    if self.kv_seg is not None:
+      kv_seg = lax.dynamic_slice_in_dim(self.kv_seg, start, self.bk, axis=1)
+      vis = conj(vis, self.q_seg[:, None, None, :, None] == kv_seg[:, None, None, None, :])
     return vis
 
   def unblock(self, ys, dtype):
@@ -229,12 +235,13 @@ def _empty_forward(q):
           jnp.full((B, N, T), -jnp.inf, _config.accumulation_dtype(q.dtype)))
 
 
-def forward(config, q, k, v, bias, mask, q_len, kv_len, *, block_k=None):
+def forward(config, q, k, v, bias, mask, q_len, kv_len, *, q_seg=None, kv_seg=None,
+            block_k=None):
   """(out (B, T, N, H) in q.dtype, lse (B, N, T) float32 or float64): see the module docstring."""
   B, T, N, H = q.shape
   if B == 0 or T == 0 or N == 0 or k.shape[1] == 0:
     return _empty_forward(q)
-  plan = _Plan(config, q, k, bias, mask, kv_len, block_k)
+  plan = _Plan(config, q, k, bias, mask, kv_len, q_seg, kv_seg, block_k)
   acc, K, G = plan.acc, plan.K, plan.G
   M = G * T
   qt = _rows(q, plan)
@@ -261,8 +268,10 @@ def forward(config, q, k, v, bias, mask, q_len, kv_len, *, block_k=None):
     o = alpha[..., None] * o + _dot("bkms,bksh->bkmh", p.astype(v.dtype), vb, acc)
     return (m_new, l, o), None
 
-  init = (jnp.full((B, K, M), -jnp.inf, acc), jnp.zeros((B, K, M), acc),
-          jnp.zeros((B, K, M, H), acc))
+  # Inside shard_map the carry varies over the mesh axes of the operands, as the body's does.
+  init = _varying.varying_like(
+      (jnp.full((B, K, M), -jnp.inf, acc), jnp.zeros((B, K, M), acc),
+       jnp.zeros((B, K, M, H), acc)), q, k, v, bias, mask, kv_len, q_seg, kv_seg)
   (m, l, o), _ = lax.scan(step, init, jnp.arange(plan.num_blocks, dtype=jnp.int32))
 
   live = l > 0
@@ -280,8 +289,8 @@ def needs_renormalization(lse):
   return jnp.any(jnp.isfinite(lse) & (jnp.abs(lse) >= RENORMALIZE_FROM))
 
 
-def backward(config, q, k, v, bias, mask, q_len, kv_len, out, lse, dout, dlse, *, block_k=None,
-             renormalize=True):
+def backward(config, q, k, v, bias, mask, q_len, kv_len, out, lse, dout, dlse, *, q_seg=None,
+             kv_seg=None, block_k=None, renormalize=True):
   """(dq, dk, dv, dbias or None) in the dtypes of q, k, v, bias: see the module docstring.
 
   P = exp(S - lse) is only as accurate as the saved lse, which is rounded to the accumulation
@@ -296,7 +305,7 @@ def backward(config, q, k, v, bias, mask, q_len, kv_len, out, lse, dout, dlse, *
   if B == 0 or T == 0 or N == 0 or S == 0:
     return (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v),
             None if bias is None else jnp.zeros_like(bias))
-  plan = _Plan(config, q, k, bias, mask, kv_len, block_k)
+  plan = _Plan(config, q, k, bias, mask, kv_len, q_seg, kv_seg, block_k)
   acc, K, G, bk = plan.acc, plan.K, plan.G, plan.bk
   M = G * T
   qt = _rows(q, plan)
@@ -363,7 +372,8 @@ def backward(config, q, k, v, bias, mask, q_len, kv_len, out, lse, dout, dlse, *
         dbias = dbias + jnp.sum(db, axis=4, keepdims=True)
     return (dq, dbias), (dk_b, dv_b)
 
-  init = (jnp.zeros((B, K, M, H), acc), dbias_init)
+  init = _varying.varying_like((jnp.zeros((B, K, M, H), acc), dbias_init), q, k, v, bias, mask,
+                              q_len, kv_len, q_seg, kv_seg, out, lse, dout, dlse)
   (dq, dbias), (dk, dv) = lax.scan(step, init, jnp.arange(plan.num_blocks, dtype=jnp.int32))
   dq = _unrows(dq * jnp.asarray(config.scale, acc), plan).astype(q.dtype)
   dk = plan.unblock(dk, k.dtype)
@@ -386,8 +396,9 @@ def _row_norm(plan, qt, kt, lse, row_live):
     vis = row_live[..., None] if vis is None else vis & row_live[..., None]
     return total + jnp.sum(jnp.where(vis, jnp.exp(s - lse[..., None]), zero), axis=-1), None
 
-  total, _ = lax.scan(step, jnp.zeros(lse.shape, plan.acc),
-                      jnp.arange(plan.num_blocks, dtype=jnp.int32))
+  init = _varying.varying_like(jnp.zeros(lse.shape, plan.acc), qt, kt, lse, row_live, plan.bias,
+                              plan.mask, plan.kv_len, plan.q_seg, plan.kv_seg)
+  total, _ = lax.scan(step, init, jnp.arange(plan.num_blocks, dtype=jnp.int32))
   flagged = row_live & (jnp.abs(lse) >= RENORMALIZE_FROM) & (total > 0)
   return jnp.where(flagged, 1 / jnp.where(flagged, total, jnp.ones((), plan.acc)),
                    jnp.ones((), plan.acc))

@@ -47,14 +47,16 @@ class Sm90BackwardTile:
 @dataclasses.dataclass(frozen=True)
 class Kernel:
   """One compiled kernel: its tiles and its optional features: the logit arrays it reads
-  ("bias", "mask") and whether it soft-caps logits ("softcap")."""
+  ("bias", "mask"), whether it soft-caps logits ("softcap") and whether it takes segment ids
+  ("segment_ids")."""
   tiles: tuple
   features: frozenset
 
-  def takes(self, *, bias: bool, mask: bool, softcap: bool) -> bool:
-    """Whether a call with (or without) bias and mask arrays and logit soft-capping runs on
-    this kernel."""
-    wanted = (("bias", bias), ("mask", mask), ("softcap", softcap))
+  def takes(self, *, bias: bool, mask: bool, softcap: bool, segment_ids: bool) -> bool:
+    """Whether a call with (or without) bias and mask arrays, logit soft-capping and segment
+    ids runs on this kernel."""
+    wanted = (("bias", bias), ("mask", mask), ("softcap", softcap),
+              ("segment_ids", segment_ids))
     return all(not used or name in self.features for name, used in wanted)
 
 

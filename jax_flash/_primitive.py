@@ -1,8 +1,18 @@
 """The FFI calls, their batching, partitioning and custom_vjp.
 
-Forward:  jax_flash_fwd(q, k, v, [bias], [mask], [q_len], [kv_len]) -> (out, lse (B, N, T))
-Backward: jax_flash_bwd(q, k, v, out, lse, dout, dlse, [bias], [mask], [q_len], [kv_len])
-          -> (dq, dk, dv, [dbias])
+Forward:  jax_flash_fwd(q, k, v, [bias], [mask], [q_len], [kv_len], [segments])
+          -> (out, lse (B, N, T))
+Backward: jax_flash_bwd(q, k, v, out, lse, dout, dlse, [bias], [mask], [q_len], [kv_len],
+          [segments]) -> (dq, dk, dv, [dbias])
+
+where [segments], present with segment ids (attribute has_segment_ids), is four operands:
+q_seg (B, T) and kv_seg (B, S), the ids, and kv_span (B, T, 2) and q_span (B, S, 2), computed
+here from them (`_spans`): for each query the range [lo, hi) of key positions whose id can
+equal its own, and for each key the same range of query positions, so that the kernels visit
+only the key (query) blocks that overlap it. A range is exact where the ids searched are
+non-decreasing (packed sequences) and [0, length) otherwise; the kernels still compare the ids
+inside it. The results of the calls are typed like their operands inside shard_map
+(_varying.varying_like), as those of the blockwise path are.
 
 Layers, outermost first:
 
@@ -21,15 +31,15 @@ Layers, outermost first:
                  runs the call on its shard (batch and head sharding; see _sharding.py).
   platform routing  `_forward_impl` / `_backward_impl`: the CPU runs both passes in the C++
                  kernels. On CUDA the Hopper kernels run both passes; a call with a bias or
-                 mask array that a kernel does not read, or with logit soft-capping that it
-                 does not apply (its "features" in kernel_configs.json), runs that pass
-                 through the blockwise JAX path instead (_blockwise.py, same semantics,
-                 O(T * block) memory). The platform is chosen per lowering
-                 (lax.platform_dependent), not at trace time.
+                 mask array that a kernel does not read, with logit soft-capping that it
+                 does not apply, or with segment ids that it does not take (its "features"
+                 in kernel_configs.json), runs that pass through the blockwise JAX path
+                 instead (_blockwise.py, same semantics, O(T * block) memory). The platform
+                 is chosen per lowering (lax.platform_dependent), not at trace time.
 
 All layers below the custom_vjp take operands with any number r >= 1 of leading batch axes
-(q (batch..., T, N, H), bias (batch..., N|1, T|1, S|1), lengths (batch...)); every batch axis
-of an operand has the problem's extent or 1.
+(q (batch..., T, N, H), bias (batch..., N|1, T|1, S|1), lengths (batch...), segment ids
+(batch..., T) and (batch..., S)); every batch axis of an operand has the problem's extent or 1.
 """
 
 from __future__ import annotations
@@ -42,12 +52,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _blockwise, _config, _extension, _ring, _sharding
+from . import _blockwise, _config, _extension, _ring, _sharding, _varying
 from ._validation import AttentionConfig
 
 
 
-def _attributes(config: AttentionConfig, bias, mask, q_len, kv_len) -> dict:
+def _attributes(config: AttentionConfig, bias, mask, q_len, kv_len, q_seg) -> dict:
   # XLA FFI attributes are typed exactly: float64 scale and softcap, int64 windows, bool flags.
   return dict(
       scale=np.float64(config.scale),
@@ -58,6 +68,7 @@ def _attributes(config: AttentionConfig, bias, mask, q_len, kv_len) -> dict:
       has_mask=mask is not None,
       has_q_seqlens=q_len is not None,
       has_kv_seqlens=kv_len is not None,
+      has_segment_ids=q_seg is not None,
       deterministic=bool(config.deterministic),
   )
 
@@ -81,24 +92,53 @@ def _batch_shape(q, *operands) -> tuple[int, ...]:
 # --- FFI calls ---------------------------------------------------------------------------------
 
 
-def _forward_call(config, q, k, v, bias, mask, q_len, kv_len):
+def _spans(ids, other):
+  """For each entry of `ids` (batch..., L) the range [lo, hi) of positions of `other`
+  (batch..., M) holding the same id, as (batch..., L, 2) int32 over the batch shape of both:
+  the bounds of a binary search where the batch item's `other` is non-decreasing, else the
+  whole [0, M). O(L log M) per batch item; nothing of size L x M is formed."""
+  batch = jnp.broadcast_shapes(ids.shape[:-1], other.shape[:-1])
+  L, M = ids.shape[-1], other.shape[-1]
+
+  def one(ids, other):
+    ordered = jnp.all(other[1:] >= other[:-1])
+    lo = jnp.searchsorted(other, ids, side="left")
+    hi = jnp.searchsorted(other, ids, side="right")
+    lo = jnp.where(ordered, lo, 0)
+    hi = jnp.where(ordered, hi, M)
+    return jnp.stack([lo, hi], axis=-1).astype(jnp.int32)
+
+  flat = [jnp.broadcast_to(x, batch + x.shape[-1:]).reshape(-1, x.shape[-1])
+          for x in (ids, other)]
+  return jax.vmap(one)(*flat).reshape(batch + (L, 2))
+
+
+def _segments(q_seg, kv_seg) -> list:
+  """The FFI calls' segment operands: [q_seg, kv_seg, kv_span, q_span], or none."""
+  if q_seg is None:
+    return []
+  return [q_seg, kv_seg, _spans(q_seg, kv_seg), _spans(kv_seg, q_seg)]
+
+
+def _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
   _extension.ensure_registered()
-  batch = _batch_shape(q, k, v, bias, mask, q_len, kv_len)
+  batch = _batch_shape(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
   T, N, _ = q.shape[-3:]
   result_types = (jax.ShapeDtypeStruct(batch + q.shape[-3:], q.dtype),
                   jax.ShapeDtypeStruct(batch + (N, T), _config.accumulation_dtype(q.dtype)))
   call = jax.ffi.ffi_call(_extension.FORWARD_TARGET, result_types, vmap_method="expand_dims")
-  return tuple(call(q, k, v, *_present(bias, mask, q_len, kv_len),
-                    **_attributes(config, bias, mask, q_len, kv_len)))
+  operands = (q, k, v, *_present(bias, mask, q_len, kv_len), *_segments(q_seg, kv_seg))
+  results = call(*operands, **_attributes(config, bias, mask, q_len, kv_len, q_seg))
+  return tuple(_varying.varying_like(results, *operands))
 
 
-def _backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, *,
-                   gpu_workspace=False):
+def _backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg,
+                   kv_seg, *, gpu_workspace=False):
   """The backward FFI call. With gpu_workspace (the CUDA handler) one more result: the Hopper
   backward's workspace, which XLA allocates with the call's other buffers and which is dropped
   here (a temporary of the compiled program)."""
   _extension.ensure_registered()
-  batch = _batch_shape(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len)
+  batch = _batch_shape(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg, kv_seg)
   rank = len(batch)
   result_types = [jax.ShapeDtypeStruct(batch + x.shape[rank:], x.dtype) for x in (q, k, v)]
   if bias is not None:
@@ -113,8 +153,10 @@ def _backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_
     result_types.append(jax.ShapeDtypeStruct((nbytes,), np.uint8))
   call = jax.ffi.ffi_call(_extension.BACKWARD_TARGET, tuple(result_types),
                           vmap_method="expand_dims")
-  grads = call(q, k, v, out, lse, dout, dlse, *_present(bias, mask, q_len, kv_len),
-               **_attributes(config, bias, mask, q_len, kv_len))
+  operands = (q, k, v, out, lse, dout, dlse, *_present(bias, mask, q_len, kv_len),
+              *_segments(q_seg, kv_seg))
+  grads = _varying.varying_like(
+      call(*operands, **_attributes(config, bias, mask, q_len, kv_len, q_seg)), *operands)
   dq, dk, dv = grads[:3]
   return dq, dk, dv, (grads[3] if bias is not None else None)
 
@@ -136,19 +178,24 @@ def _over_batch_axes(fn, operands, batch):
   return jax.vmap(inner, in_axes=in_axes)(*args)
 
 
-def _blockwise_forward(config, q, k, v, bias, mask, q_len, kv_len):
-  operands = (q, k, v, bias, mask, q_len, kv_len)
-  return tuple(_over_batch_axes(functools.partial(_blockwise.forward, config), operands,
-                                _batch_shape(*operands)))
+def _blockwise_forward(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
+  operands = (q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
+
+  def canonical(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
+    return _blockwise.forward(config, q, k, v, bias, mask, q_len, kv_len, q_seg=q_seg,
+                              kv_seg=kv_seg)
+
+  return tuple(_over_batch_axes(canonical, operands, _batch_shape(*operands)))
 
 
-def _blockwise_backward(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len):
-  operands = (q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len)
+def _blockwise_backward(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg,
+                        kv_seg):
+  operands = (q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg, kv_seg)
 
   def run(renormalize, operands):
-    def canonical(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len):
+    def canonical(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg, kv_seg):
       return _blockwise.backward(config, q, k, v, bias, mask, q_len, kv_len, out, lse, dout,
-                                 dlse, renormalize=renormalize)
+                                 dlse, q_seg=q_seg, kv_seg=kv_seg, renormalize=renormalize)
 
     return tuple(_over_batch_axes(canonical, operands, _batch_shape(*operands)))
 
@@ -162,29 +209,33 @@ def _blockwise_backward(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len
 # --- platform routing --------------------------------------------------------------------------
 
 
-def _on_gpu_kernel(kernel: _config.Kernel, kernel_call, blockwise_call, config, bias, mask):
-  """The Hopper kernel's call when it reads the call's optional arrays and applies its logit
-  soft-capping, else the blockwise one."""
-  if kernel.takes(bias=bias is not None, mask=mask is not None, softcap=config.softcap > 0):
+def _on_gpu_kernel(kernel: _config.Kernel, kernel_call, blockwise_call, config, bias, mask,
+                   q_seg):
+  """The Hopper kernel's call when it reads the call's optional arrays, applies its logit
+  soft-capping and takes its segment ids, else the blockwise one."""
+  if kernel.takes(bias=bias is not None, mask=mask is not None, softcap=config.softcap > 0,
+                  segment_ids=q_seg is not None):
     return kernel_call
   return blockwise_call
 
 
-def _forward_impl(spec: _sharding.CallSpec, q, k, v, bias, mask, q_len, kv_len):
+def _forward_impl(spec: _sharding.CallSpec, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
   config = spec.config
   cuda = _on_gpu_kernel(_config.SM90_FORWARD, functools.partial(_forward_call, config),
-                        functools.partial(_blockwise_forward, config), config, bias, mask)
-  return tuple(lax.platform_dependent(q, k, v, bias, mask, q_len, kv_len,
+                        functools.partial(_blockwise_forward, config), config, bias, mask, q_seg)
+  return tuple(lax.platform_dependent(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg,
                                       cpu=functools.partial(_forward_call, config), cuda=cuda))
 
 
 def _backward_impl(spec: _sharding.CallSpec, q, k, v, out, lse, dout, dlse, bias, mask, q_len,
-                   kv_len):
+                   kv_len, q_seg, kv_seg):
   config = spec.config
   cuda = _on_gpu_kernel(_config.SM90_BACKWARD,
                         functools.partial(_backward_call, config, gpu_workspace=True),
-                        functools.partial(_blockwise_backward, config), config, bias, mask)
+                        functools.partial(_blockwise_backward, config), config, bias, mask,
+                        q_seg)
   return tuple(lax.platform_dependent(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len,
+                                      q_seg, kv_seg,
                                       cpu=functools.partial(_backward_call, config), cuda=cuda))
 
 
@@ -218,32 +269,33 @@ def _batched(kind: str, spec: _sharding.CallSpec):
   return call
 
 
-def _forward(config, q, k, v, bias, mask, q_len, kv_len):
-  spec = _sharding.CallSpec.of(config, bias, mask, q_len, kv_len)
-  return _batched("fwd", spec)(q, k, v, bias, mask, q_len, kv_len)
+def _forward(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
+  spec = _sharding.CallSpec.of(config, bias, mask, q_len, kv_len, q_seg)
+  return _batched("fwd", spec)(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
 
 
-def _backward(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len):
-  spec = _sharding.CallSpec.of(config, bias, mask, q_len, kv_len)
-  return _batched("bwd", spec)(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len)
+def _backward(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg, kv_seg):
+  spec = _sharding.CallSpec.of(config, bias, mask, q_len, kv_len, q_seg)
+  return _batched("bwd", spec)(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg,
+                               kv_seg)
 
 
 # --- custom_vjp --------------------------------------------------------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attention(config: AttentionConfig, q, k, v, bias, mask, q_len, kv_len):
+def attention(config: AttentionConfig, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
   """Attention on canonical operands; returns (out (B, T, N, H), lse (B, N, T))."""
-  return _forward(config, q, k, v, bias, mask, q_len, kv_len)
+  return _forward(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _forward_of_derivative(config, q, k, v, bias, mask, q_len, kv_len):
+def _forward_of_derivative(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
   """The forward as the derivative rule runs it. Only a second derivative (grad of grad,
   Hessian-vector products, jax.hessian) differentiates it, and its jvp rule says that this is
   not supported, where jax would fail deep inside with "Differentiation rule for
   'custom_partitioning' not implemented"."""
-  return _forward(config, q, k, v, bias, mask, q_len, kv_len)
+  return _forward(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
 
 
 @_forward_of_derivative.defjvp
@@ -257,18 +309,20 @@ def _forward_of_derivative_jvp(config, primals, tangents):
       "jax.nn.dot_product_attention (implementation='xla').")
 
 
-def _attention_fwd(config, q, k, v, bias, mask, q_len, kv_len):
-  out, lse = _forward_of_derivative(config, q, k, v, bias, mask, q_len, kv_len)
-  return (out, lse), (q, k, v, bias, mask, q_len, kv_len, out, lse)
+def _attention_fwd(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
+  out, lse = _forward_of_derivative(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
+  return (out, lse), (q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, out, lse)
 
 
 def _attention_bwd(config, residuals, cotangents):
-  q, k, v, bias, mask, q_len, kv_len, out, lse = residuals
+  q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, out, lse = residuals
   dout, dlse = cotangents
   dq, dk, dv, dbias = _backward(config, q, k, v, out, lse, dout.astype(out.dtype),
-                                dlse.astype(lse.dtype), bias, mask, q_len, kv_len)
-  # Masks and sequence lengths are not differentiable: None is their zero cotangent.
-  return dq, dk, dv, dbias, None, None, None
+                                dlse.astype(lse.dtype), bias, mask, q_len, kv_len, q_seg,
+                                kv_seg)
+  # Masks, sequence lengths and segment ids are not differentiable: None is their zero
+  # cotangent.
+  return dq, dk, dv, dbias, None, None, None, None, None
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
@@ -277,35 +331,38 @@ attention.defvjp(_attention_fwd, _attention_bwd)
 # --- ring attention inside shard_map -----------------------------------------------------------
 
 
-def _ring_forward_block(config, q, k, v, q_len, kv_len):
-  return _forward(config, q, k, v, None, None, q_len, kv_len)
+def _ring_forward_block(config, q, k, v, q_len, kv_len, q_seg, kv_seg):
+  return _forward(config, q, k, v, None, None, q_len, kv_len, q_seg, kv_seg)
 
 
-def _ring_forward_block_of_derivative(config, q, k, v, q_len, kv_len):
-  return _forward_of_derivative(config, q, k, v, None, None, q_len, kv_len)
+def _ring_forward_block_of_derivative(config, q, k, v, q_len, kv_len, q_seg, kv_seg):
+  return _forward_of_derivative(config, q, k, v, None, None, q_len, kv_len, q_seg, kv_seg)
 
 
-def _ring_backward_block(config, q, k, v, out, lse, dout, dlse, q_len, kv_len):
-  return _backward(config, q, k, v, out, lse, dout, dlse, None, None, q_len, kv_len)[:3]
+def _ring_backward_block(config, q, k, v, out, lse, dout, dlse, q_len, kv_len, q_seg, kv_seg):
+  return _backward(config, q, k, v, out, lse, dout, dlse, None, None, q_len, kv_len, q_seg,
+                   kv_seg)[:3]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def ring_attention(ring: _ring.Ring, q, k, v, q_len, kv_len):
+def ring_attention(ring: _ring.Ring, q, k, v, q_len, kv_len, q_seg, kv_seg):
   """Ring attention over `ring` on canonical local operands; returns (out, lse (B, N, T))."""
-  return _ring.forward(ring, _ring_forward_block, q, k, v, q_len, kv_len)
+  return _ring.forward(ring, _ring_forward_block, q, k, v, q_len, kv_len, q_seg, kv_seg)
 
 
-def _ring_attention_fwd(ring, q, k, v, q_len, kv_len):
-  out, lse = _ring.forward(ring, _ring_forward_block_of_derivative, q, k, v, q_len, kv_len)
-  return (out, lse), (q, k, v, q_len, kv_len, out, lse)
+def _ring_attention_fwd(ring, q, k, v, q_len, kv_len, q_seg, kv_seg):
+  out, lse = _ring.forward(ring, _ring_forward_block_of_derivative, q, k, v, q_len, kv_len,
+                           q_seg, kv_seg)
+  return (out, lse), (q, k, v, q_len, kv_len, q_seg, kv_seg, out, lse)
 
 
 def _ring_attention_bwd(ring, residuals, cotangents):
-  q, k, v, q_len, kv_len, out, lse = residuals
+  q, k, v, q_len, kv_len, q_seg, kv_seg, out, lse = residuals
   dout, dlse = cotangents
   dq, dk, dv = _ring.backward(ring, _ring_backward_block, q, k, v, out, lse,
-                              dout.astype(out.dtype), dlse.astype(lse.dtype), q_len, kv_len)
-  return dq, dk, dv, None, None
+                              dout.astype(out.dtype), dlse.astype(lse.dtype), q_len, kv_len,
+                              q_seg, kv_seg)
+  return dq, dk, dv, None, None, None, None
 
 
 ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)

@@ -12,14 +12,18 @@ XLA can overlap it with that step's attention.
 
 Positions are global: causal attention (``T == S``) attends a shard to itself with the causal
 kernel, to earlier shards in full and skips later ones; sequence lengths are global and become
-per-block lengths. Rows that see nothing in a step contribute nothing (log-sum-exp ``-inf``).
-Key/value heads travel as they are (GQA/MQA without copies).
+per-block lengths. Segment ids, where given, are sharded like their sequence: each device keeps
+its queries' ids and the key/value ids travel with the key/value shard, so that each block
+compares the ids of the rows in hand (the kernels' search ranges are computed per block).
+Rows that see nothing in a step contribute nothing (log-sum-exp ``-inf``). Key/value heads
+travel as they are (GQA/MQA without copies).
 
 Used by ``jax_flash.ring_attention`` (inside ``shard_map``) and by the partitioned calls when
 ``jit`` meets sequence-sharded operands (``_sharding``). Operands have any number of leading
 batch axes: q ``(batch..., T, N, H)``, k/v ``(batch..., S, K, H)``, lse ``(batch..., N, T)``,
-lengths ``(batch...)``. The per-block kernels are passed in, so that each caller runs them at its
-own level (the full call inside ``shard_map``, the platform routing inside a partitioned call).
+lengths ``(batch...)``, segment ids ``(batch..., T)`` and ``(batch..., S)`` (or None). The
+per-block kernels are passed in, so that each caller runs them at its own level (the full call
+inside ``shard_map``, the platform routing inside a partitioned call).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _config
+from . import _config, _varying
 from ._validation import AttentionConfig
 
 # Which kernel a (query chunk, key/value chunk) block runs under causal attention.
@@ -43,9 +47,10 @@ CONTIGUOUS = "contiguous"  # device d holds chunk d of P
 ZIGZAG = "zigzag"  # device d holds chunks d and 2P - 1 - d of 2P, in that order
 LAYOUTS = (CONTIGUOUS, ZIGZAG)
 
-#: (config, q, k, v, q_len, kv_len) -> (out, lse) of one block.
+#: (config, q, k, v, q_len, kv_len, q_seg, kv_seg) -> (out, lse) of one block.
 ForwardBlock = Callable
-#: (config, q, k, v, out, lse, dout, dlse, q_len, kv_len) -> (dq, dk, dv) of one block.
+#: (config, q, k, v, out, lse, dout, dlse, q_len, kv_len, q_seg, kv_seg) -> (dq, dk, dv) of one
+#: block.
 BackwardBlock = Callable
 
 
@@ -128,15 +133,6 @@ def _permute_chunks(x, order, count: int, axis: int):
 
 
 
-def _like(x, ref):
-  """`x` typed as varying over the same manual mesh axes as `ref`: shard_map checks that a
-  custom_vjp's gradients, and the branches of a switch, carry their operands' types, and the
-  kernels' calls return values that carry none."""
-  varying = lambda a: jax.typeof(a).manual_axis_type.varying
-  missing = tuple(sorted(varying(ref) - varying(x)))
-  return lax.pcast(x, missing, to="varying") if missing else x
-
-
 def _local_lengths(lengths, chunk, size):
   """Global lengths as lengths within global chunk `chunk` of `size` rows (None: all rows)."""
   if lengths is None:
@@ -158,7 +154,17 @@ def _merge(out, lse, block_out, block_lse):
 
 
 def _split(x, parts: int, axis: int):
+  """`parts` chunks of `x` along `axis`; None chunks for None."""
+  if x is None:
+    return [None] * parts
   return jnp.split(x, parts, axis=axis) if parts > 1 else [x]
+
+
+def _kv_chunks(ring: Ring, kv):
+  """The chunks (k, v, kv_seg or None) of the shard in hand (k, v, kv_seg), in local order."""
+  k, v, kv_seg = kv
+  return list(zip(_split(k, ring.chunks, -3), _split(v, ring.chunks, -3),
+                  _split(kv_seg, ring.chunks, -1)))
 
 
 def _join(xs, axis: int):
@@ -172,7 +178,7 @@ def _switch(kind, full, causal, skip):
   return lax.switch(kind, [full, causal, skip])
 
 
-def forward(ring: Ring, block: ForwardBlock, q, k, v, q_len, kv_len):
+def forward(ring: Ring, block: ForwardBlock, q, k, v, q_len, kv_len, q_seg, kv_seg):
   """(out, lse) of this device's queries against the whole ring's keys."""
   me = ring.index()
   N = q.shape[-2]
@@ -183,24 +189,28 @@ def forward(ring: Ring, block: ForwardBlock, q, k, v, q_len, kv_len):
   out_shape, lse_shape = batch + (C,) + q.shape[-2:], batch + (N, C)
   q_ids = ring.chunk_ids(me)
   q_parts = _split(q, ring.chunks, -3)
+  q_segs = _split(q_seg, ring.chunks, -1)
   q_lens = [_local_lengths(q_len, c, C) for c in q_ids]
-  outs = [_like(jnp.zeros(out_shape, acc), q) for _ in q_ids]
-  lses = [_like(jnp.full(lse_shape, -jnp.inf, acc), q) for _ in q_ids]
-  kv = (k, v)
+  outs = [_varying.varying_like(jnp.zeros(out_shape, acc), q) for _ in q_ids]
+  lses = [_varying.varying_like(jnp.full(lse_shape, -jnp.inf, acc), q) for _ in q_ids]
+  kv = (k, v, kv_seg)  # the key/value ids travel with their shard
   for step in range(ring.size):
     src = (me - step) % ring.size
     # The next shard is requested before this one is used, so the transfer can overlap.
     next_kv = ring.pass_on(kv) if step + 1 < ring.size else None
-    kv_parts = list(zip(_split(kv[0], ring.chunks, -3), _split(kv[1], ring.chunks, -3)))
+    kv_parts = _kv_chunks(ring, kv)
     for j, kv_id in enumerate(ring.chunk_ids(src)):
       kv_len_local = _local_lengths(kv_len, kv_id, Ck)
       for i, q_id in enumerate(q_ids):
-        def run(config, q=q_parts[i], kv=kv_parts[j], q_len=q_lens[i], kv_len=kv_len_local):
-          block_out, block_lse = block(config, q, *kv, q_len, kv_len)
-          return _like(block_out, q), _like(block_lse.astype(acc), q)
+        def run(config, q=q_parts[i], kv=kv_parts[j], q_len=q_lens[i], kv_len=kv_len_local,
+                q_seg=q_segs[i]):
+          kb, vb, kv_seg = kv
+          block_out, block_lse = block(config, q, kb, vb, q_len, kv_len, q_seg, kv_seg)
+          return (_varying.varying_like(block_out, q),
+                  _varying.varying_like(block_lse.astype(acc), q))
 
-        skip = lambda: (_like(jnp.zeros(out_shape, q.dtype), q),
-                        _like(jnp.full(lse_shape, -jnp.inf, acc), q))
+        skip = lambda: (_varying.varying_like(jnp.zeros(out_shape, q.dtype), q),
+                        _varying.varying_like(jnp.full(lse_shape, -jnp.inf, acc), q))
         block_out, block_lse = _switch(ring.block_kind(q_id, kv_id), lambda: run(ring.full),
                                        lambda: run(ring.causal), skip)
         outs[i], lses[i] = _merge(outs[i], lses[i], block_out, block_lse)
@@ -208,7 +218,8 @@ def forward(ring: Ring, block: ForwardBlock, q, k, v, q_len, kv_len):
   return _join(outs, -3).astype(q.dtype), _join(lses, -1)
 
 
-def backward(ring: Ring, block: BackwardBlock, q, k, v, out, lse, dout, dlse, q_len, kv_len):
+def backward(ring: Ring, block: BackwardBlock, q, k, v, out, lse, dout, dlse, q_len, kv_len,
+             q_seg, kv_seg):
   """(dq, dk, dv) of this device's shards, for the ring's merged `out` and `lse`. Like the
   blocks' gradients they have the problem's full batch shape, also where an operand broadcasts
   over a batch axis (jax sums them over it)."""
@@ -218,21 +229,22 @@ def backward(ring: Ring, block: BackwardBlock, q, k, v, out, lse, dout, dlse, q_
   batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
 
   def grad_zeros(x, rows):
-    return _like(jnp.zeros(batch + (rows,) + x.shape[-2:], acc), x)
+    return _varying.varying_like(jnp.zeros(batch + (rows,) + x.shape[-2:], acc), x)
 
   q_ids = ring.chunk_ids(me)
   split_q = lambda x: _split(x, ring.chunks, -3)
   q_parts, out_parts, dout_parts = split_q(q), split_q(out), split_q(dout)
   lse_parts, dlse_parts = _split(lse, ring.chunks, -1), _split(dlse, ring.chunks, -1)
+  q_segs = _split(q_seg, ring.chunks, -1)
   q_lens = [_local_lengths(q_len, c, C) for c in q_ids]
   dqs = [grad_zeros(q, C) for _ in q_ids]
-  # The gradients of the shard in hand travel with it.
-  kv = (k, v)
+  # The gradients of the shard in hand travel with it, as do its ids.
+  kv = (k, v, kv_seg)
   dkv = (grad_zeros(k, k.shape[-3]), grad_zeros(v, v.shape[-3]))
   for step in range(ring.size):
     src = (me - step) % ring.size
     next_kv = ring.pass_on(kv) if step + 1 < ring.size else None
-    kv_parts = list(zip(_split(kv[0], ring.chunks, -3), _split(kv[1], ring.chunks, -3)))
+    kv_parts = _kv_chunks(ring, kv)
     dk_parts, dv_parts = _split(dkv[0], ring.chunks, -3), _split(dkv[1], ring.chunks, -3)
     for j, kv_id in enumerate(ring.chunk_ids(src)):
       kv_len_local = _local_lengths(kv_len, kv_id, Ck)
@@ -240,9 +252,10 @@ def backward(ring: Ring, block: BackwardBlock, q, k, v, out, lse, dout, dlse, q_
         def run(config, i=i, kv=kv_parts[j], kv_len=kv_len_local):
           # Every block's P comes from the merged log-sum-exp, and its row term from the
           # merged output: the block gradients are the exact terms of the full gradient.
-          grads = block(config, q_parts[i], *kv, out_parts[i], lse_parts[i], dout_parts[i],
-                        dlse_parts[i], q_lens[i], kv_len)
-          return tuple(_like(g.astype(acc), x) for g, x in zip(grads, (q, k, v)))
+          kb, vb, kv_seg = kv
+          grads = block(config, q_parts[i], kb, vb, out_parts[i], lse_parts[i], dout_parts[i],
+                        dlse_parts[i], q_lens[i], kv_len, q_segs[i], kv_seg)
+          return tuple(_varying.varying_like(g.astype(acc), x) for g, x in zip(grads, (q, k, v)))
 
         skip = lambda: (grad_zeros(q, C), grad_zeros(k, Ck), grad_zeros(v, Ck))
         bq, bk, bv = _switch(ring.block_kind(q_id, kv_id), lambda: run(ring.full),

@@ -10,7 +10,8 @@ per-device), the wrapper lowers to the plain call.
 
 What may be sharded
   * Batch: the ``B`` axis and any leading axis added by ``vmap``. Operands that broadcast over
-    batch (a bias or mask with ``B == 1``) are replicated.
+    batch (a bias or mask with ``B == 1``) are replicated. Sequence lengths and segment ids are
+    sharded with their batch axis.
   * Heads: the query heads ``N`` together with their key/value heads ``K``. Query head ``n``
     reads key/value head ``n // (N // K)``, so a shard of query heads needs exactly the
     key/value heads of its groups. With ``m`` head shards:
@@ -26,11 +27,12 @@ What may be sharded
       - otherwise the call raises ``NotImplementedError``.
   * The sequences: when the query sequence ``T`` or the key/value sequence ``S`` arrives
     sharded (over the mesh axes of the first tensor sharded along one, which then split both),
-    each device runs ring attention (``_ring.py``) on its chunks: the key/value chunks and,
-    in the backward, their gradient accumulators travel by ``ppermute`` around those mesh axes.
-    Both sequences must divide into the shards (``ValueError``), causal attention needs
-    ``T == S`` (``ValueError``), and bias/mask arrays and local windows are not supported over
-    a split sequence (``NotImplementedError``).
+    each device runs ring attention (``_ring.py``) on its chunks: the key/value chunks (with
+    their segment ids, split like their sequence) and, in the backward, their gradient
+    accumulators travel by ``ppermute`` around those mesh axes. Both sequences must divide into
+    the shards (``ValueError``), causal attention needs ``T == S`` (``ValueError``), and
+    bias/mask arrays and local windows are not supported over a split sequence
+    (``NotImplementedError``).
   * The head dim ``H`` may not be sharded: the kernels need whole head vectors. If an operand
     arrives sharded along it (from its own sharding or propagated from the consumers of the
     result), compilation fails with a ``ValueError`` naming the operand, the axis and the mesh
@@ -96,21 +98,23 @@ from ._validation import AttentionConfig
 @dataclasses.dataclass(frozen=True)
 class CallSpec:
   """The static part of a partitioned call: the kernel options and which optional operands
-  (bias, mask, query lengths, key/value lengths) are present."""
+  (bias, mask, query lengths, key/value lengths, the pair of segment ids) are present."""
 
   config: AttentionConfig
   has_bias: bool
   has_mask: bool
   has_q_len: bool
   has_kv_len: bool
+  has_segment_ids: bool
 
   @staticmethod
-  def of(config, bias, mask, q_len, kv_len) -> "CallSpec":
+  def of(config, bias, mask, q_len, kv_len, q_seg) -> "CallSpec":
     return CallSpec(config, bias is not None, mask is not None, q_len is not None,
-                    kv_len is not None)
+                    kv_len is not None, q_seg is not None)
 
   def optional_present(self) -> tuple[bool, ...]:
-    return (self.has_bias, self.has_mask, self.has_q_len, self.has_kv_len)
+    return (self.has_bias, self.has_mask, self.has_q_len, self.has_kv_len,
+            self.has_segment_ids, self.has_segment_ids)
 
 
 # Roles give the meaning of the axes after the leading batch axes of an operand or result.
@@ -120,10 +124,13 @@ _INNER_AXES = {
     "lse": ("heads_q", "s"),  # (N, T)
     "logits": ("heads_q", "s", "t"),  # (N|1, T|1, S|1)
     "lengths": (),
+    "q_ids": ("s",),  # (T,)
+    "kv_ids": ("t",),  # (S,)
 }
 
 _OPTIONAL = (("bias", "logits"), ("mask", "logits"), ("query_seq_lengths", "lengths"),
-             ("key_value_seq_lengths", "lengths"))
+             ("key_value_seq_lengths", "lengths"), ("query_segment_ids", "q_ids"),
+             ("key_value_segment_ids", "kv_ids"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -475,20 +482,21 @@ def _ring_call(kind: _Kind, spec: CallSpec, plan: _Plan, impl: Callable, operand
     return dataclasses.replace(spec, config=config)
 
   if kind is FORWARD:
-    q, k, v, _, _, q_len, kv_len = operands
+    q, k, v, _, _, q_len, kv_len, q_seg, kv_seg = operands
 
-    def forward_block(config, q, k, v, q_len, kv_len):
-      return impl(block_spec(config), q, k, v, None, None, q_len, kv_len)
+    def forward_block(config, q, k, v, q_len, kv_len, q_seg, kv_seg):
+      return impl(block_spec(config), q, k, v, None, None, q_len, kv_len, q_seg, kv_seg)
 
-    return _ring.forward(ring, forward_block, q, k, v, q_len, kv_len)
+    return _ring.forward(ring, forward_block, q, k, v, q_len, kv_len, q_seg, kv_seg)
 
-  q, k, v, out, lse, dout, dlse, _, _, q_len, kv_len = operands
+  q, k, v, out, lse, dout, dlse, _, _, q_len, kv_len, q_seg, kv_seg = operands
 
-  def backward_block(config, q, k, v, out, lse, dout, dlse, q_len, kv_len):
-    return impl(block_spec(config), q, k, v, out, lse, dout, dlse, None, None, q_len,
-                kv_len)[:3]
+  def backward_block(config, q, k, v, out, lse, dout, dlse, q_len, kv_len, q_seg, kv_seg):
+    return impl(block_spec(config), q, k, v, out, lse, dout, dlse, None, None, q_len, kv_len,
+                q_seg, kv_seg)[:3]
 
-  grads = _ring.backward(ring, backward_block, q, k, v, out, lse, dout, dlse, q_len, kv_len)
+  grads = _ring.backward(ring, backward_block, q, k, v, out, lse, dout, dlse, q_len, kv_len,
+                         q_seg, kv_seg)
   return grads + (None,)  # no bias, no bias gradient
 
 

@@ -33,7 +33,8 @@ class AttentionConfig:
 
 @dataclasses.dataclass
 class CanonicalCall:
-  """A validated call: q/k/v rank 4 (B, T|S, N|K, H); bias/mask rank 4; seq lengths (B,) int32."""
+  """A validated call: q/k/v rank 4 (B, T|S, N|K, H); bias/mask rank 4; seq lengths (B,) int32;
+  segment ids (B, T) and (B, S) int32, both or neither."""
 
   query: jax.Array
   key: jax.Array
@@ -42,6 +43,8 @@ class CanonicalCall:
   mask: jax.Array | None
   query_seq_lengths: jax.Array | None
   key_value_seq_lengths: jax.Array | None
+  query_segment_ids: jax.Array | None
+  key_value_segment_ids: jax.Array | None
   config: AttentionConfig
   unbatched: bool  # the query had no batch axis; results drop it again
 
@@ -104,6 +107,35 @@ def _check_seq_lengths(x, name: str, batch: int) -> jax.Array:
   if x.shape != (batch,):
     raise ValueError(f"{name} must have shape (B,) = ({batch},), got {x.shape}")
   return x.astype(jnp.int32)
+
+
+def _check_segment_ids(x, name: str, batch: int, axis: str, length: int,
+                       unbatched: bool) -> jax.Array:
+  """Segment ids of shape (B, length), or (length,) for an unbatched call, as (B, length)
+  int32; `axis` names the length ("T" or "S")."""
+  x = _as_array(x, name)
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must have an integer dtype (int32), got {x.dtype}")
+  expected, spelled = (((length,), f"({axis},)") if unbatched else
+                       ((batch, length), f"(B, {axis})"))
+  if x.shape != expected:
+    raise ValueError(f"{name} must have shape {spelled} = {expected}, got {x.shape}")
+  return x.astype(jnp.int32).reshape(batch, length)
+
+
+def _segment_ids(query_segment_ids, key_value_segment_ids, batch: int, T: int, S: int,
+                 unbatched: bool):
+  if query_segment_ids is None and key_value_segment_ids is None:
+    return None, None
+  if query_segment_ids is None or key_value_segment_ids is None:
+    given, missing = (("query_segment_ids", "key_value_segment_ids")
+                      if key_value_segment_ids is None else
+                      ("key_value_segment_ids", "query_segment_ids"))
+    raise ValueError(f"segment ids come in pairs: {given} was given without {missing} (pass "
+                     "both, or neither)")
+  return (_check_segment_ids(query_segment_ids, "query_segment_ids", batch, "T", T, unbatched),
+          _check_segment_ids(key_value_segment_ids, "key_value_segment_ids", batch, "S", S,
+                             unbatched))
 
 
 def _window(local_window_size, is_causal: bool) -> tuple[int, int]:
@@ -173,7 +205,8 @@ def _check_gpu_support(query: jax.Array, head_dim: int) -> None:
 
 def canonicalize(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
                  key_value_seq_lengths, local_window_size, deterministic=None,
-                 logits_soft_cap=None) -> CanonicalCall:
+                 logits_soft_cap=None, query_segment_ids=None,
+                 key_value_segment_ids=None) -> CanonicalCall:
   query, key, value = (_as_array(x, n) for x, n in ((query, "query"), (key, "key"),
                                                     (value, "value")))
   _check_qkv(query, key, value)
@@ -227,11 +260,14 @@ def canonicalize(query, key, value, bias, mask, *, scale, is_causal, query_seq_l
     query_seq_lengths = _check_seq_lengths(query_seq_lengths, "query_seq_lengths", B)
   if key_value_seq_lengths is not None:
     key_value_seq_lengths = _check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", B)
+  query_segment_ids, key_value_segment_ids = _segment_ids(
+      query_segment_ids, key_value_segment_ids, B, T, S, unbatched)
 
   if on_gpu():
     _check_gpu_support(query, H)
 
   return CanonicalCall(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
+                       query_segment_ids, key_value_segment_ids,
                        AttentionConfig(scale, window_left, window_right, deterministic,
                                        softcap),
                        unbatched)

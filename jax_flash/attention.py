@@ -27,11 +27,12 @@ JAX_NN_IMPLEMENTATIONS = ("xla", "cudnn")
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
                           is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
                           local_window_size=None, implementation=None, return_residual=False,
-                          deterministic=None, logits_soft_cap=None):
+                          deterministic=None, logits_soft_cap=None, query_segment_ids=None,
+                          key_value_segment_ids=None):
   r"""Scaled dot-product attention, exact, in O(T*H + S*H) memory.
 
-  Same arguments and meaning as ``jax.nn.dot_product_attention``, plus ``deterministic`` and
-  ``logits_soft_cap``:
+  Same arguments and meaning as ``jax.nn.dot_product_attention``, plus ``deterministic``,
+  ``logits_soft_cap`` and the segment ids:
 
   Args:
     query: ``(B, T, N, H)`` or ``(T, N, H)``.
@@ -64,6 +65,14 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       added and before masking; ``None`` (default) leaves the logits as they are. Gradients
       include the ``tanh``'s derivative. Not part of ``jax.nn.dot_product_attention``, so not
       available with ``implementation="xla"`` or ``"cudnn"``.
+    query_segment_ids, key_value_segment_ids: packed sequences: integer arrays ``(B, T)`` and
+      ``(B, S)`` (``(T,)`` and ``(S,)`` for unbatched inputs), both or neither, converted to
+      int32. Key ``j`` is visible to query ``i`` only if their ids are equal, on top of every
+      rule above (causality and windows still count positions in the packed row). Ids need
+      not be sorted; sorted (non-decreasing) ids let the CPU kernels skip the key blocks of
+      other segments. Not differentiable. On the GPU such calls run through the blockwise
+      path for now. Not part of ``jax.nn.dot_product_attention``, so not available with
+      ``implementation="xla"`` or ``"cudnn"``.
 
   Raises:
     NotImplementedError: when differentiated twice (grad of grad, Hessian-vector products):
@@ -71,8 +80,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 
   Returns:
     The attention output, shaped and typed like ``query``; with ``return_residual`` a pair
-    ``(output, lse)``. Rows that see no key (all masked, padding rows, empty windows) give
-    output 0 and lse ``-inf``, where jax's xla path would average all values uniformly.
+    ``(output, lse)``. Rows that see no key (all masked, padding rows, empty windows, a
+    segment id that no key has) give output 0 and lse ``-inf``, where jax's xla path would
+    average all values uniformly.
     Unlike jax, the gradient flows through the returned log-sum-exp.
   """
   if implementation in JAX_NN_IMPLEMENTATIONS:
@@ -85,6 +95,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                        f"logits_soft_cap={logits_soft_cap!r} with implementation="
                        f"{implementation!r} (jax.nn.dot_product_attention has no logit "
                        "soft-capping)")
+    for name, ids in (("query_segment_ids", query_segment_ids),
+                      ("key_value_segment_ids", key_value_segment_ids)):
+      if ids is not None:
+        raise ValueError(f"{name} applies to jax_flash's kernels only; got it with "
+                         f"implementation={implementation!r} (jax.nn.dot_product_attention "
+                         "has no segment ids)")
     return jax.nn.dot_product_attention(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
@@ -97,7 +113,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                       query_seq_lengths=query_seq_lengths,
                       key_value_seq_lengths=key_value_seq_lengths,
                       local_window_size=local_window_size, deterministic=deterministic,
-                      logits_soft_cap=logits_soft_cap)
+                      logits_soft_cap=logits_soft_cap, query_segment_ids=query_segment_ids,
+                      key_value_segment_ids=key_value_segment_ids)
   q = call.query
   B, T, N, _ = q.shape
   if B == 0 or T == 0 or call.key.shape[1] == 0:
@@ -106,13 +123,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     lse = jnp.full((B, N, T), -jnp.inf, _config.accumulation_dtype(q.dtype))
   else:
     out, lse = _primitive.attention(call.config, q, call.key, call.value, call.bias, call.mask,
-                                    call.query_seq_lengths, call.key_value_seq_lengths)
+                                    call.query_seq_lengths, call.key_value_seq_lengths,
+                                    call.query_segment_ids, call.key_value_segment_ids)
   return _results(call, out, lse, return_residual)
 
 
 def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
                    query_seq_lengths=None, key_value_seq_lengths=None, layout="contiguous",
-                   return_residual=False, deterministic=None, logits_soft_cap=None):
+                   return_residual=False, deterministic=None, logits_soft_cap=None,
+                   query_segment_ids=None, key_value_segment_ids=None):
   r"""Attention over a sequence split along the mesh axis ``axis_name``, inside ``shard_map``.
 
   The key/value shards travel around the devices of ``axis_name`` while each attends its
@@ -129,6 +148,9 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
     is_causal: causal over global positions; needs ``T == S``.
     query_seq_lengths, key_value_seq_lengths: optional global lengths ``(B,)``, the same on
       every device of the ring.
+    query_segment_ids, key_value_segment_ids: as in :func:`dot_product_attention`, this
+      device's shards ``(B, T)`` and ``(B, S)`` of the global ids, split like query and
+      key/value (in the zigzag order too); the key/value ids travel with their shard.
     layout: ``"contiguous"`` (device ``i`` holds chunk ``i`` of the sequence, as above) or
       ``"zigzag"``: the sequence is cut into ``2P`` chunks and device ``i`` holds chunks ``i``
       and ``2P - 1 - i``, in that order, so that causal attention gives every device the same
@@ -149,7 +171,9 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
   call = canonicalize(query, key, value, None, None, scale=scale, is_causal=is_causal,
                       query_seq_lengths=query_seq_lengths,
                       key_value_seq_lengths=key_value_seq_lengths, local_window_size=None,
-                      deterministic=deterministic, logits_soft_cap=logits_soft_cap)
+                      deterministic=deterministic, logits_soft_cap=logits_soft_cap,
+                      query_segment_ids=query_segment_ids,
+                      key_value_segment_ids=key_value_segment_ids)
   q, k, v = call.query, call.key, call.value
   if layout not in _ring.LAYOUTS:
     raise ValueError(f"layout must be one of {_ring.LAYOUTS}, got {layout!r}")
@@ -166,7 +190,8 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
                      f"{axis_name!r}") from err
   ring = _ring.Ring.of(axis_name, size, call.config, layout)
   out, lse = _primitive.ring_attention(ring, q, k, v, call.query_seq_lengths,
-                                       call.key_value_seq_lengths)
+                                       call.key_value_seq_lengths, call.query_segment_ids,
+                                       call.key_value_segment_ids)
   return _results(call, out, lse, return_residual)
 
 

@@ -40,6 +40,12 @@ Semantics, argument by argument:
   kernels' fastest path pass no mask and let ``is_causal`` express causality.
 * The factory's ``logits_soft_cap`` soft-caps the logits (Gemma 2) before bias and masks, a
   jax_flash extension that flax's own attention does not have.
+* ``query_segment_ids``, ``key_value_segment_ids``: integer ``(batch..., q_length)`` and
+  ``(batch..., kv_length)``, both or neither: packed sequences, as in
+  :func:`jax_flash.dot_product_attention` (key ``j`` is visible to query ``i`` only if their ids
+  are equal), for modules that pass them as keyword arguments (flax's own layers do not; a
+  custom module calling ``self.attention_fn(..., query_segment_ids=...)`` may). A jax_flash
+  extension: flax's attention has no segment ids.
 * Rows that see no key at all (e.g. padding queries whose mask row is all False) give output
   0, where flax's attention averages all values uniformly. Padding keys behave identically.
 * ``dropout_rate > 0`` with ``deterministic=False`` raises ``NotImplementedError``:
@@ -89,6 +95,17 @@ def _fold_batch(x, batch: tuple[int, ...], inner_rank: int):
     return x.reshape((1,) + tail)
   x = jnp.broadcast_to(x, batch + tail)
   return x.reshape((math.prod(batch),) + tail)
+
+
+def _fold_ids(ids, name: str, batch: tuple[int, ...]):
+  """Segment ids (batch..., length) -> (prod(batch), length)."""
+  if ids is None:
+    return None
+  ids = jnp.asarray(ids)
+  if ids.shape[:-1] != batch:
+    raise ValueError(f"{name} must have shape (batch..., length) with the query's batch axes "
+                     f"{batch}, got {ids.shape}")
+  return ids.reshape((math.prod(batch),) + ids.shape[-1:])
 
 
 def _promote(query, key, value, dtype, promote_dtype):
@@ -153,6 +170,7 @@ def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
                    dtype=None, precision=None, module=None, force_fp32_for_softmax: bool = False,
                    einsum_dot_general=None, qk_attn_weights_einsum=None,
                    attn_weights_value_einsum=None, promote_dtype=None, is_causal: bool = False,
+                   query_segment_ids=None, key_value_segment_ids=None,
                    **kwargs: Any) -> jax.Array:
     del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax
     _reject_unsupported(
@@ -173,14 +191,18 @@ def make_attention_fn(*, is_causal: bool = False, local_window_size=None,
                    logits_soft_cap=logits_soft_cap)
 
     if query.ndim <= 4:
-      return dot_product_attention(query, key, value, bias, mask, **options)
+      return dot_product_attention(query, key, value, bias, mask, **options,
+                                   query_segment_ids=query_segment_ids,
+                                   key_value_segment_ids=key_value_segment_ids)
     batch = query.shape[:-3]
     for name, x in (("key", key), ("value", value)):
       if x.shape[:-3] != batch:
         raise ValueError(f"{name} batch axes {x.shape[:-3]} must equal the query's {batch}")
     q, k, v = (x.reshape((math.prod(batch),) + x.shape[-3:]) for x in (query, key, value))
-    out = dot_product_attention(q, k, v, _fold_batch(bias, batch, 3),
-                                _fold_batch(mask, batch, 3), **options)
+    out = dot_product_attention(
+        q, k, v, _fold_batch(bias, batch, 3), _fold_batch(mask, batch, 3), **options,
+        query_segment_ids=_fold_ids(query_segment_ids, "query_segment_ids", batch),
+        key_value_segment_ids=_fold_ids(key_value_segment_ids, "key_value_segment_ids", batch))
     return out.reshape(query.shape[:-1] + (out.shape[-1],))
 
   attention_fn.__doc__ = (

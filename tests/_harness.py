@@ -61,6 +61,12 @@ class Case:
   extreme_bias: bool = False  # bias entries of +-BIG and -inf; key 0 always finite
   dead_rows: bool = False  # the mask hides every key from every third query row
   softcap: float | None = None  # logits_soft_cap (jax_flash only: jax's path has none)
+  # Segment ids (jax_flash only), both or neither: the run lengths of ids 0, 1, 2, ... along T
+  # (q_segs) and S (kv_segs), e.g. (20, 37, 13); a run of length 0 leaves its id out of that
+  # side. One tuple for every batch item, or a tuple of them, one per batch item.
+  q_segs: tuple | None = None
+  kv_segs: tuple | None = None
+  shuffle_segs: str | None = None  # "q", "kv" or "both": those ids in random (unsorted) order
 
   @property
   def kv_heads(self) -> int:
@@ -73,6 +79,12 @@ class Case:
   def replace(self, **kw) -> "Case":
     return dataclasses.replace(self, **kw)
 
+  @property
+  def beyond_jax_nn(self) -> bool:
+    """Whether the case uses jax_flash's extensions (soft-capping, segment ids), which jax's
+    own path cannot compute: its baselines are then the definition in the input dtype."""
+    return self.softcap is not None or self.q_segs is not None
+
   def kwargs(self) -> dict:
     return dict(scale=self.scale, is_causal=self.is_causal, window=self.window)
 
@@ -84,7 +96,7 @@ class Case:
     parts = [f"B{self.B}", f"T{self.T}", f"S{self.S}", f"N{self.N}", f"K{self.kv_heads}",
              f"H{self.H}", self.dtype]
     for name in ("is_causal", "window", "bias", "mask", "q_lens", "kv_lens", "scale",
-                 "extreme_bias", "dead_rows", "softcap"):
+                 "extreme_bias", "dead_rows", "softcap", "q_segs", "kv_segs", "shuffle_segs"):
       value = getattr(self, name)
       if value not in (None, False):
         parts.append(f"{name}={value}")
@@ -102,6 +114,21 @@ class Inputs:
   mask: np.ndarray | None
   q_lens: np.ndarray | None
   kv_lens: np.ndarray | None
+  q_seg: np.ndarray | None = None
+  kv_seg: np.ndarray | None = None
+
+
+def segment_ids(runs: tuple, batch: int | None, length: int, shuffle: bool, rng) -> np.ndarray:
+  """Ids from run lengths (see Case.q_segs): (batch, length) int32, (length,) when unbatched."""
+  rows = runs if runs and isinstance(runs[0], tuple) else (runs,) * (batch or 1)
+  assert len(rows) == (batch or 1), f"one tuple of runs per batch item, got {runs}"
+  ids = []
+  for row in rows:
+    assert sum(row) == length, f"runs {row} must add up to {length}"
+    x = np.repeat(np.arange(len(row), dtype=np.int32), row)
+    ids.append(rng.permutation(x) if shuffle else x)
+  ids = np.stack(ids)
+  return ids[0] if batch is None else ids
 
 
 def make_inputs(case: Case, seed: int = 0) -> Inputs:
@@ -134,14 +161,19 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
       mask[..., ::3, :] = False
   q_lens = None if case.q_lens is None else np.asarray(case.q_lens, np.int32)
   kv_lens = None if case.kv_lens is None else np.asarray(case.kv_lens, np.int32)
-  return Inputs(q, k, v, bias, mask, q_lens, kv_lens)
+  q_seg = kv_seg = None
+  if case.q_segs is not None:
+    shuffle = case.shuffle_segs or ""
+    q_seg = segment_ids(case.q_segs, case.B, case.T, shuffle in ("q", "both"), rng)
+    kv_seg = segment_ids(case.kv_segs, case.B, case.S, shuffle in ("kv", "both"), rng)
+  return Inputs(q, k, v, bias, mask, q_lens, kv_lens, q_seg, kv_seg)
 
 
 def visibility(case: Case, inp: Inputs) -> np.ndarray:
   """(B, N, T, S) visibility; B == 1 for unbatched cases."""
   return ref.visibility(case.batch, case.N, case.T, case.S, mask=inp.mask,
                         is_causal=case.is_causal, window=case.window, q_lens=inp.q_lens,
-                        kv_lens=inp.kv_lens)
+                        kv_lens=inp.kv_lens, q_seg=inp.q_seg, kv_seg=inp.kv_seg)
 
 
 def live_rows(case: Case, vis: np.ndarray) -> np.ndarray:
@@ -155,14 +187,15 @@ def as_jax(x):
 
 
 def ours_function(case: Case, *, return_residual=False):
-  """f(q, k, v, bias, mask, q_lens, kv_lens) calling jax_flash with the case's options."""
+  """f(q, k, v, bias, mask, q_lens, kv_lens, q_seg, kv_seg) calling jax_flash with the case's
+  options."""
 
-  def f(q, k, v, bias=None, mask=None, q_lens=None, kv_lens=None):
+  def f(q, k, v, bias=None, mask=None, q_lens=None, kv_lens=None, q_seg=None, kv_seg=None):
     return jax_flash.dot_product_attention(
         q, k, v, bias, mask, scale=case.scale, is_causal=case.is_causal,
         query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
         local_window_size=case.window, return_residual=return_residual,
-        logits_soft_cap=case.softcap)
+        logits_soft_cap=case.softcap, query_segment_ids=q_seg, key_value_segment_ids=kv_seg)
 
   return f
 
@@ -172,7 +205,7 @@ def run_ours(case: Case, inp: Inputs, *, return_residual=False, wrap=jax.jit):
   one per eager op; test_transforms.py also runs it eagerly)."""
   with ref.x64_if(case.dtype):
     args = [as_jax(x) for x in (inp.q, inp.k, inp.v, inp.bias, inp.mask, inp.q_lens,
-                                inp.kv_lens)]
+                                inp.kv_lens, inp.q_seg, inp.kv_seg)]
     f = ours_function(case, return_residual=return_residual)
     result = (f if wrap is None else wrap(f))(*args)
     return jax.tree.map(np.asarray, result)
@@ -194,9 +227,9 @@ def reference_hi(case: Case, inp: Inputs, vis: np.ndarray):
 
 def cudnn_eligible(case: Case) -> bool:
   """Cases whose semantics cuDNN shares: no local window, causal only for square problems, no
-  soft-capping."""
+  jax_flash extension."""
   return (case.window is None and (not case.is_causal or case.T == case.S)
-          and case.softcap is None)
+          and not case.beyond_jax_nn)
 
 
 def forward_baseline(case: Case, inp: Inputs, platform: str):
@@ -211,7 +244,7 @@ def forward_baseline(case: Case, inp: Inputs, platform: str):
       return np.asarray(f(*_operands(inp))), "cudnn"
     except Exception:  # cuDNN rejects the case: fall back to xla, as the criterion says
       pass
-  if xla_unavailable(dt, platform) or case.softcap is not None:
+  if xla_unavailable(dt, platform) or case.beyond_jax_nn:
     out, _ = definition_output(case, inp, dt)
     return np.asarray(out), f"definition in {dt.name}"
   f = ref.xla_function(dt, **case.kwargs())
@@ -223,8 +256,8 @@ def xla_unavailable(dtype, platform: str) -> bool:
   Run eagerly it falls back to the default precision op by op, which is slow; what it then
   computes on live rows is the definition in float16 (logits from a float32-accumulated dot,
   softmax in float32, P rounded to float16, P.V in float16), which serves as the baseline.
-  The same definition in the input dtype is the baseline of soft-capped cases, which jax's
-  path cannot compute."""
+  The same definition in the input dtype is the baseline of the cases that use jax_flash's
+  extensions (soft-capping, segment ids), which jax's path cannot compute."""
   return np_dtype(dtype) == np.float16 and platform == "cpu"
 
 
@@ -238,7 +271,7 @@ def definition_output(case: Case, inp: Inputs, dtype, vis=None):
 
 def lse_baseline(case: Case, inp: Inputs):
   """xla's float32 log-sum-exp of the upcast inputs, on the CPU (the definition in float32 for
-  soft-capped cases); None for float64."""
+  cases beyond jax.nn); None for float64."""
   return _xla_float32_on_cpu(case, inp)[1]
 
 
@@ -246,7 +279,7 @@ def _xla_float32_on_cpu(case: Case, inp: Inputs):
   if np_dtype(case.dtype) == np.float64:
     return None, None
   with jax.default_device(ref.cpu_device()):
-    if case.softcap is not None:
+    if case.beyond_jax_nn:
       return tuple(np.asarray(x) for x in definition_output(case, inp, np.float32))
     f = ref.xla_function(np.float32, return_residual=True, **case.kwargs())
     return tuple(np.asarray(x) for x in f(*_operands(inp)))
@@ -303,7 +336,7 @@ def check_forward(case: Case, platform: str = "cpu", seed: int = 0, inp: Inputs 
   ref_out, ref_lse = reference_hi(case, inp, vis)
   if platform == "cpu" and dt == np.float32:  # one xla call gives both baselines
     (base_out, base_lse), base_name = _xla_float32_on_cpu(case, inp), "xla"
-    if case.softcap is not None:
+    if case.beyond_jax_nn:
       base_name = "definition in float32"
   else:
     base_out, base_name = forward_baseline(case, inp, platform)
@@ -430,9 +463,10 @@ def check_gradients(case: Case, platform: str = "cpu", seed: int = 0, *, through
     return g
 
   ours_f = jax.jit(ours_function(case, return_residual=through_lse))
+  segments = (inp.q_seg, inp.kv_seg)  # operands of ours only (jax's path has none)
   with ref.x64_if(dt):
     ours, ours_out = (grad_fn or functools.partial(vjp, with_primal_out=True))(
-        split(ours_f), [jnp.asarray(x) for x in diff],
+        split(lambda *operands: ours_f(*operands, *segments)), [jnp.asarray(x) for x in diff],
         (jnp.asarray(dout), jnp.asarray(dlse)) if through_lse else jnp.asarray(dout))
     ours = [np.asarray(g) for g in ours]
     ours_out = jax.tree.map(np.asarray, ours_out)
@@ -468,7 +502,7 @@ def check_gradients(case: Case, platform: str = "cpu", seed: int = 0, *, through
       if through_lse:  # jax's path stops the lse gradient: the definition in the input dtype
         base_name = "definition in the input dtype"
         base = definition(dt)
-      elif xla_unavailable(dt, platform) or case.softcap is not None:
+      elif xla_unavailable(dt, platform) or case.beyond_jax_nn:
         base_name = f"definition in {dt.name}"
         base = definition(dt)
       else:

@@ -12,7 +12,8 @@
   because it always computes its softmax in float32, even for float64 inputs. It agrees with
   jax's path wherever a row sees a key (test_reference.py checks that); rows that see no key give
   0 and lse -inf, where jax averages all values.
-* `visibility`: the visibility rule as a numpy mask.
+* `visibility`: the visibility rule as a numpy mask, segment ids included (jax_flash's packed
+  sequences: the definition then runs on that mask, which is how jax's path expresses them).
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ def window_pair(window):
 
 
 def visibility(B, N, T, S, *, mask=None, is_causal=False, window=None, q_lens=None,
-               kv_lens=None) -> np.ndarray:
-  """(B, N, T, S) bool: key j is visible to query i (the rule of attention_params.h)."""
+               kv_lens=None, q_seg=None, kv_seg=None) -> np.ndarray:
+  """(B, N, T, S) bool: key j is visible to query i (the rule of attention_params.h). Segment
+  ids q_seg (B, T) and kv_seg (B, S) ((T,) and (S,) for B == 1), both or neither: only keys of
+  the query's segment are visible."""
   i = np.arange(T)[:, None]
   j = np.arange(S)[None, :]
   vis = np.ones((B, N, T, S), bool)
@@ -71,6 +74,10 @@ def visibility(B, N, T, S, *, mask=None, is_causal=False, window=None, q_lens=No
     vis &= (np.arange(T)[None, :] < np.asarray(q_lens)[:, None])[:, None, :, None]
   if kv_lens is not None:
     vis &= (np.arange(S)[None, :] < np.asarray(kv_lens)[:, None])[:, None, None, :]
+  if q_seg is not None:
+    q_seg = np.asarray(q_seg).reshape(-1, T)
+    kv_seg = np.asarray(kv_seg).reshape(-1, S)
+    vis &= (q_seg[:, :, None] == kv_seg[:, None, :])[:, None]
   return vis
 
 

@@ -135,7 +135,7 @@ def test_calls_without_arrays_reach_the_kernel(platform):
 
   assert "jax_flash_bwd" in hlo(is_causal=True, local_window_size=(3, 5))
   # Arrays the kernel does not read (kernel_configs.json) take the blockwise path.
-  assert (_config.SM90_BACKWARD.takes(bias=True, mask=False, softcap=False)
+  assert (_config.SM90_BACKWARD.takes(bias=True, mask=False, softcap=False, segment_ids=False)
           == ("jax_flash_bwd" in hlo(bias)))
 
 
@@ -147,7 +147,7 @@ def _direct_backward(q, workspace_bytes, **overrides):
   results += (jax.ShapeDtypeStruct((workspace_bytes,), np.uint8),)
   attrs = dict(scale=np.float64(0.125), softcap=np.float64(0.0), window_left=np.int64(-1),
                window_right=np.int64(-1), has_bias=False, has_mask=False, has_q_seqlens=False,
-               has_kv_seqlens=False, deterministic=False)
+               has_kv_seqlens=False, has_segment_ids=False, deterministic=False)
   attrs.update(overrides)
   call = jax.ffi.ffi_call(_extension.BACKWARD_TARGET, results)
   return jax.block_until_ready(call(q, q, q, q, lse, q, lse, **attrs))

@@ -46,15 +46,19 @@ def test_config_module_reads_the_json_table():
 
 def test_kernel_features_route_calls():
   kernel = _config.Kernel(tiles=(), features=frozenset({"bias"}))
-  assert kernel.takes(bias=False, mask=False, softcap=False)
-  assert kernel.takes(bias=True, mask=False, softcap=False)
-  assert not kernel.takes(bias=False, mask=True, softcap=False)
-  assert not kernel.takes(bias=True, mask=False, softcap=True)
-  assert not _config.Kernel(tiles=(), features=frozenset()).takes(bias=True, mask=False,
-                                                                  softcap=False)
+  plain = dict(bias=False, mask=False, softcap=False, segment_ids=False)
+  assert kernel.takes(**plain)
+  assert kernel.takes(**dict(plain, bias=True))
+  assert not kernel.takes(**dict(plain, mask=True))
+  assert not kernel.takes(**dict(plain, bias=True, softcap=True))
+  assert not kernel.takes(**dict(plain, segment_ids=True))
+  assert not _config.Kernel(tiles=(), features=frozenset()).takes(**dict(plain, bias=True))
   capping = _config.Kernel(tiles=(), features=frozenset({"softcap"}))
-  assert capping.takes(bias=False, mask=False, softcap=True)
-  assert not capping.takes(bias=False, mask=True, softcap=True)
+  assert capping.takes(**dict(plain, softcap=True))
+  assert not capping.takes(**dict(plain, mask=True, softcap=True))
+  packing = _config.Kernel(tiles=(), features=frozenset({"segment_ids"}))
+  assert packing.takes(**dict(plain, segment_ids=True))
+  assert not packing.takes(**dict(plain, softcap=True, segment_ids=True))
 
 
 def test_table_is_consistent():

@@ -376,6 +376,98 @@ def test_seq_lengths_accept_other_integer_types(name):
   assert out.shape == (2, 5, 4, 8)
 
 
+# --- segment ids -------------------------------------------------------------------------------
+
+
+def segment_ids(B=2, T=5, S=7, dtype=jnp.int32):
+  """Ids for arrays(B, T, S): two segments on each side."""
+  return dict(query_segment_ids=jnp.zeros((B, T), dtype).at[:, T // 2:].set(1),
+              key_value_segment_ids=jnp.zeros((B, S), dtype).at[:, S // 2:].set(1))
+
+
+@pytest.mark.parametrize("given,missing", [("query_segment_ids", "key_value_segment_ids"),
+                                           ("key_value_segment_ids", "query_segment_ids")])
+def test_segment_ids_come_in_pairs(given, missing):
+  with pytest.raises(ValueError, match=f"{given} was given without {missing}"):
+    attend(*arrays(), **{given: segment_ids()[given]})
+
+
+@pytest.mark.parametrize("name", ["query_segment_ids", "key_value_segment_ids"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bool_], ids=str)
+def test_segment_ids_not_integer(name, dtype):
+  ids = segment_ids()
+  ids[name] = ids[name].astype(dtype)
+  with pytest.raises(TypeError, match=name):
+    attend(*arrays(), **ids)
+
+
+@pytest.mark.parametrize("name", ["query_segment_ids", "key_value_segment_ids"])
+def test_segment_ids_not_an_array(name):
+  ids = segment_ids()
+  ids[name] = object()
+  with pytest.raises(TypeError, match=name):
+    attend(*arrays(), **ids)
+
+
+@pytest.mark.parametrize("name", ["query_segment_ids", "key_value_segment_ids"])
+@pytest.mark.parametrize("change", ["length", "batch", "rank-1", "rank-3", "swapped"])
+def test_segment_ids_of_wrong_shape(name, change):
+  ids = segment_ids()
+  x = ids[name]
+  ids[name] = {"length": x[:, 1:], "batch": jnp.concatenate([x, x]), "rank-1": x[0],
+               "rank-3": x[None], "swapped": x.T}[change]
+  with pytest.raises(ValueError, match=rf"{name} must have shape \(B, [TS]\)"):
+    attend(*arrays(), **ids)
+
+
+def test_segment_ids_of_an_unbatched_call():
+  """(T,) and (S,) for (T, N, H) inputs; batched ids are refused there."""
+  q, k, v = (x[0] for x in arrays())
+  ids = {n: x[0] for n, x in segment_ids().items()}
+  assert attend(q, k, v, **ids).shape == (5, 4, 8)
+  with pytest.raises(ValueError, match=r"query_segment_ids must have shape \(T,\) = \(5,\)"):
+    attend(q, k, v, **dict(ids, query_segment_ids=ids["query_segment_ids"][None]))
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.int64, np.uint32], ids=str)
+def test_segment_ids_become_int32(dtype):
+  ids = {n: np.asarray(x, dtype) for n, x in segment_ids().items()}
+  call = _validation.canonicalize(*arrays(), None, None, scale=None, is_causal=False,
+                                  query_seq_lengths=None, key_value_seq_lengths=None,
+                                  local_window_size=None, **ids)
+  for got, want in ((call.query_segment_ids, ids["query_segment_ids"]),
+                    (call.key_value_segment_ids, ids["key_value_segment_ids"])):
+    assert got.dtype == jnp.int32 and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+  lists = {n: x.tolist() for n, x in ids.items()}
+  assert attend(*arrays(), **lists).shape == (2, 5, 4, 8)
+
+
+def test_segment_ids_absent():
+  call = _validation.canonicalize(*arrays(), None, None, scale=None, is_causal=False,
+                                  query_seq_lengths=None, key_value_seq_lengths=None,
+                                  local_window_size=None)
+  assert call.query_segment_ids is None and call.key_value_segment_ids is None
+
+
+@pytest.mark.parametrize("implementation", ["xla", "cudnn"])
+@pytest.mark.parametrize("name", ["query_segment_ids", "key_value_segment_ids"])
+def test_segment_ids_with_a_jax_nn_implementation(implementation, name):
+  with pytest.raises(ValueError, match=f"{name} .*jax.nn.dot_product_attention has no segment "
+                                       "ids"):
+    attend(*arrays(), implementation=implementation, **{name: segment_ids()[name]})
+
+
+def test_ring_attention_checks_the_segment_ids():
+  ids = segment_ids()
+  with pytest.raises(ValueError, match="query_segment_ids was given without"):
+    jax_flash.ring_attention(*arrays(), axis_name="sp",
+                             query_segment_ids=ids["query_segment_ids"])
+  with pytest.raises(TypeError, match="key_value_segment_ids"):
+    jax_flash.ring_attention(*arrays(), axis_name="sp", **dict(
+        ids, key_value_segment_ids=ids["key_value_segment_ids"].astype(jnp.float32)))
+
+
 def test_errors_are_raised_at_trace_time():
   """Under jit the errors come from tracing, before anything reaches XLA."""
   q, k, v = arrays()
@@ -462,7 +554,7 @@ def test_default_device_selects_the_gpu_checks():
 def _attrs(**overrides):
   attrs = dict(scale=np.float64(0.5), softcap=np.float64(0.0), window_left=np.int64(-1),
                window_right=np.int64(-1), has_bias=False, has_mask=False, has_q_seqlens=False,
-               has_kv_seqlens=False, deterministic=False)
+               has_kv_seqlens=False, has_segment_ids=False, deterministic=False)
   attrs.update(overrides)
   return attrs
 
@@ -480,6 +572,9 @@ def _bad_forward_calls():
   q, k, v = (np.zeros(x.shape, np.float32) for x in arrays())
   bias = np.zeros((1, 4, 5, 7), np.float32)
   lens = np.array([5, 5], np.int32)
+  q_seg, kv_seg = np.zeros((2, 5), np.int32), np.zeros((2, 7), np.int32)
+  kv_span = np.tile(np.array([0, 7], np.int32), (2, 5, 1))
+  q_span = np.tile(np.array([0, 5], np.int32), (2, 7, 1))
   return {
       "missing-optional": ([q, k, v], dict(has_bias=True), "optional"),
       "extra-optional": ([q, k, v, bias], dict(), "optional"),
@@ -501,6 +596,16 @@ def _bad_forward_calls():
                           "query_seq_lengths"),
       "kv-lengths-shape": ([q, k, v, np.array([5, 5, 5], np.int32)], dict(has_kv_seqlens=True),
                            "key_value_seq_lengths"),
+      "segments-missing": ([q, k, v, q_seg, kv_seg], dict(has_segment_ids=True), "optional"),
+      "segments-unexpected": ([q, k, v, q_seg, kv_seg, kv_span, q_span], dict(), "optional"),
+      "q-segment-ids-dtype": ([q, k, v, q_seg.astype(np.float32), kv_seg, kv_span, q_span],
+                              dict(has_segment_ids=True), "q_segment_ids"),
+      "kv-segment-ids-shape": ([q, k, v, q_seg, kv_seg[:, 1:], kv_span, q_span],
+                               dict(has_segment_ids=True), "kv_segment_ids"),
+      "kv-span-shape": ([q, k, v, q_seg, kv_seg, kv_span[..., :1], q_span],
+                        dict(has_segment_ids=True), "kv_span"),
+      "q-span-dtype": ([q, k, v, q_seg, kv_seg, kv_span, q_span.astype(np.int16)],
+                       dict(has_segment_ids=True), "q_span"),
   }
 
 

@@ -105,6 +105,7 @@ else:
     mask: str | None = None
     mask_spec: tuple = ()
     lengths: bool = False
+    segments: bool = False  # packed rows: sorted segment ids, sharded with the batch
     is_causal: bool = True
     explicit: bool = False
     dbias_all_reduced: bool = False  # the bias gradient is all-reduced in the backward
@@ -133,6 +134,11 @@ else:
       x["kv_len"] = jnp.asarray(rng.integers(s.S // 2, s.S + 1, s.B), jnp.int32)
     else:
       x["q_len"] = x["kv_len"] = None
+    if s.segments:
+      x["q_seg"] = jnp.asarray(np.sort(rng.integers(0, 4, (s.B, s.T)), axis=1), jnp.int32)
+      x["kv_seg"] = jnp.asarray(np.sort(rng.integers(0, 4, (s.B, s.S)), axis=1), jnp.int32)
+    else:
+      x["q_seg"] = x["kv_seg"] = None
     x["dout"] = normal((s.B, s.T, s.N, HEAD_DIM))
     x["dlse"] = jnp.asarray(rng.standard_normal((s.B, s.T, s.N)) * 0.1, jnp.float32)
     return x
@@ -145,32 +151,33 @@ else:
     return jax.make_mesh(s.mesh, ("x", "y"), axis_types=(kind, kind), devices=DEVICES[:count])
 
   def _attention(s: Setup):
-    def f(q, k, v, bias, mask, q_len, kv_len):
+    def f(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
       return jax_flash.dot_product_attention(
           q, k, v, bias, mask, is_causal=s.is_causal, query_seq_lengths=q_len,
-          key_value_seq_lengths=kv_len, return_residual=True)
+          key_value_seq_lengths=kv_len, return_residual=True, query_segment_ids=q_seg,
+          key_value_segment_ids=kv_seg)
     return f
 
   def _forward_and_grads(s: Setup):
     """(out, lse, dq, dk, dv, dbias) for given cotangents, as one function."""
     f = _attention(s)
 
-    def run(q, k, v, bias, mask, q_len, kv_len, dout, dlse):
+    def run(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, dout, dlse):
       def diff(q, k, v, bias):
-        return f(q, k, v, bias, mask, q_len, kv_len)
+        return f(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
       (out, lse), vjp = jax.vjp(diff, q, k, v, bias)
       dq, dk, dv, dbias = vjp((dout, dlse))
       return out, lse, dq, dk, dv, dbias
 
     return run
 
-  ARGS = ("q", "k", "v", "bias", "mask", "q_len", "kv_len", "dout", "dlse")
+  ARGS = ("q", "k", "v", "bias", "mask", "q_len", "kv_len", "q_seg", "kv_seg", "dout", "dlse")
 
   def _shardings(s: Setup, mesh, x):
     kv = s.q_spec if s.kv_spec is None else s.kv_spec
     specs = dict(q=s.q_spec, k=kv, v=kv, bias=s.bias_spec, mask=s.mask_spec,
-                 q_len=s.q_spec[:1], kv_len=s.q_spec[:1], dout=s.q_spec,
-                 dlse=s.q_spec[:3])
+                 q_len=s.q_spec[:1], kv_len=s.q_spec[:1], q_seg=s.q_spec[:1],
+                 kv_seg=s.q_spec[:1], dout=s.q_spec, dlse=s.q_spec[:3])
     return [None if x[a] is None else NamedSharding(mesh, P(*specs[a])) for a in ARGS]
 
   def _place(x, shardings):
@@ -238,7 +245,7 @@ else:
       want = jax.jit(run)(*(x[a] for a in ARGS))
     shardings = _shardings(s, mesh, x)
     placed = _place(x, shardings)
-    fwd = jax.jit(lambda *a: _attention(s)(*a[:7]))
+    fwd = jax.jit(lambda *a: _attention(s)(*a[:9]))
     both = jax.jit(run)
     got = both(*placed)
     fwd_hlo = fwd.lower(*placed).compile().as_text()
@@ -294,6 +301,8 @@ else:
             bias_spec=(None, "y"), dbias_all_reduced=True),
       Setup("bias-broadcast-heads", (2, 4), ("x", None, "y"), bias="BTS",
             bias_spec=("x",), dbias_all_reduced=True),
+      Setup("segment-ids-lengths-gqa", (2, 4), ("x", None, "y"), N=8, K=4, segments=True,
+            lengths=True),
       Setup("explicit-mesh", (2, 4), ("x", None, "y"), N=8, K=4, explicit=True),
   ]
   if PLATFORM == "gpu":
@@ -377,6 +386,9 @@ else:
     S: int = 40
     layout: str = "contiguous"
     softcap: float | None = None  # logits_soft_cap (elementwise: the ring's merge is unchanged)
+    # Segment ids, split like their sequence ("sorted": packed documents across the chunks;
+    # "unsorted": random key/value ids).
+    segments: str | None = None
 
   RING_SETUPS = [
       RingSetup("ring-2", 2),
@@ -394,6 +406,11 @@ else:
       RingSetup("ring-2-zigzag-lengths", 2, lengths=True, T=24, S=40, layout="zigzag"),
       RingSetup("ring-4-causal-lengths-gqa-softcap", 4, is_causal=True, lengths=True, N=4, K=2,
                 softcap=1.5),
+      RingSetup("ring-4-causal-lengths-segments", 4, is_causal=True, lengths=True,
+                segments="sorted"),
+      RingSetup("ring-2-zigzag-causal-gqa-segments", 2, is_causal=True, N=4, K=2,
+                layout="zigzag", segments="sorted"),
+      RingSetup("ring-2-unsorted-segments", 2, T=24, S=40, segments="unsorted"),
   ]
   if PLATFORM == "gpu":
     RING_SETUPS = [dataclasses.replace(s, ring=2, outer=1, T=256, S=256)
@@ -427,34 +444,47 @@ else:
       kv_len = jnp.asarray([s.S // 3, s.S], jnp.int32)
     else:
       q_len = kv_len = None
+    if s.segments:  # ids that change inside the chunks and across their boundaries
+      q_seg = np.sort(rng.integers(0, 4, (s.B, s.T)), axis=1)
+      kv_seg = rng.integers(0, 4, (s.B, s.S))
+      if s.segments == "sorted":
+        kv_seg = np.sort(kv_seg, axis=1)
+      q_seg, kv_seg = jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32)
+    else:
+      q_seg = kv_seg = None
 
-    def full(q, k, v):
+    def full(q, k, v, q_seg=q_seg, kv_seg=kv_seg):
       return jax_flash.dot_product_attention(
           q, k, v, is_causal=s.is_causal, query_seq_lengths=q_len,
-          key_value_seq_lengths=kv_len, return_residual=True, logits_soft_cap=s.softcap)
+          key_value_seq_lengths=kv_len, return_residual=True, logits_soft_cap=s.softcap,
+          query_segment_ids=q_seg, key_value_segment_ids=kv_seg)
 
     batch = None if s.outer_heads else "dp"
     heads = "dp" if s.outer_heads else None
     seq_spec = P(batch, "sp", heads)
     len_spec = P(batch)
+    ids_spec = P(batch, "sp")
 
     def sharded_call(q, k, v):
-      constrain = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, seq_spec))
-      return full(*(constrain(x) for x in (q, k, v)))
+      constrain = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+      ids = [None if x is None else constrain(x, ids_spec) for x in (q_seg, kv_seg)]
+      return full(*(constrain(x, seq_spec) for x in (q, k, v)), *ids)
 
     def ring(q, k, v):
       if entry == "jit":
         return sharded_call(q, k, v)
 
-      def local(q, k, v, q_len, kv_len):
+      def local(q, k, v, q_len, kv_len, q_seg, kv_seg):
         return jax_flash.ring_attention(
             q, k, v, axis_name="sp", is_causal=s.is_causal, query_seq_lengths=q_len,
             key_value_seq_lengths=kv_len, layout=s.layout, return_residual=True,
-            logits_soft_cap=s.softcap)
+            logits_soft_cap=s.softcap, query_segment_ids=q_seg, key_value_segment_ids=kv_seg)
       lens = (q_len, kv_len)
-      specs = tuple(None if x is None else len_spec for x in lens)
+      ids = tuple(None if x is None else order(x) for x in (q_seg, kv_seg))
+      specs = (tuple(None if x is None else len_spec for x in lens) +
+               tuple(None if x is None else ids_spec for x in ids))
       return jax.shard_map(local, mesh=mesh, in_specs=(seq_spec,) * 3 + specs,
-                           out_specs=(seq_spec, P(batch, "sp", heads)))(q, k, v, *lens)
+                           out_specs=(seq_spec, P(batch, "sp", heads)))(q, k, v, *lens, *ids)
 
     def forward_and_grads(f):
       def run(q, k, v, dout, dlse):

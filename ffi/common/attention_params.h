@@ -9,6 +9,9 @@
       bias, mask, dbias   (batch..., N|1, T|1, S|1) any axis of extent 1 broadcasts
       lse, dlse           (batch..., N, T)
       q/kv seq lengths    (batch...)                 int32
+      q/kv segment ids    (batch..., T|S)            int32
+      kv_span             (batch..., T, 2)           int32 [lo, hi) per query row
+      q_span              (batch..., S, 2)           int32 [lo, hi) per key
     "batch..." is the problem's batch shape: jax's B axis plus any axes added by vmap. An
     operand may hold extent 1 on any batch axis (vmap of an unmapped operand); the kernels
     broadcast it without copies through BatchMap.
@@ -90,6 +93,8 @@ struct AttentionShape {
 //! Visibility of key j to query i: window_left < 0 or j >= i - window_left, and
 //! window_right < 0 or j <= i + window_right, and j < kv_len[b]; query rows i >= q_len[b]
 //! are padding. Causal attention is window_right == 0 (top-left aligned, as jax's tril).
+//! With segment ids (packed sequences), also q_seg[b, i] == kv_seg[b, j]; the windows still
+//! apply to the positions i, j of the packed row.
 struct AttentionOptions {
   double scale = 1.0;  //!< kernels round it to their accumulation type
   //! Logit soft-capping: > 0 replaces each scaled logit x by softcap * tanh(x / softcap), before
@@ -107,6 +112,11 @@ struct ForwardParams {
   Operand mask;        //!< optional, bool: true keeps the logit
   Operand q_seqlens;   //!< optional, int32
   Operand kv_seqlens;  //!< optional, int32
+  //! Segment ids, optional and present together, int32. kv_span[b, i] = [lo, hi) holds every
+  //! key whose id is q_seg[b, i] (keys outside may be skipped); q_span[b, j] likewise every
+  //! query whose id is kv_seg[b, j]. Spans need not be tight (Python computes them with
+  //! searchsorted where a row's kv ids are sorted, [0, S) otherwise).
+  Operand q_segment_ids, kv_segment_ids, kv_span, q_span;
   Operand out;
   Operand lse;  //!< float32 (float64 for float64 problems); -inf where a row sees no key
 };

@@ -207,7 +207,8 @@ Status DescribeInputs(const AttentionAttrs& attrs, const BatchShape& batch,
   p->options.window_right = attrs.window_right;
 
   const size_t expected_optional = static_cast<size_t>(attrs.has_bias) + attrs.has_mask +
-                                   attrs.has_q_seqlens + attrs.has_kv_seqlens;
+                                   attrs.has_q_seqlens + attrs.has_kv_seqlens +
+                                   (attrs.has_segment_ids ? 4 : 0);
   if (optional_args.size() != expected_optional) {
     return Status::InvalidArgument("jax_flash: expected " + std::to_string(expected_optional) +
                                    " optional operands from the has_* attributes, got " +
@@ -249,6 +250,19 @@ Status DescribeInputs(const AttentionAttrs& attrs, const BatchShape& batch,
     JF_RETURN_IF_ERROR(Describe("key_value_seq_lengths", view, batch, {}, InnerCheck::kExact,
                                 BatchCheck::kFullOrOne, &p->kv_seqlens));
     JF_RETURN_IF_ERROR(CheckDtype("key_value_seq_lengths", p->kv_seqlens, ElementType::kInt32));
+  }
+  if (attrs.has_segment_ids) {
+    auto take_int32 = [&](const char* name, std::initializer_list<int64_t> inner,
+                          Operand* operand) -> Status {
+      JF_RETURN_IF_ERROR(take(name, &view));
+      JF_RETURN_IF_ERROR(Describe(name, view, batch, inner, InnerCheck::kExact,
+                                  BatchCheck::kFullOrOne, operand));
+      return CheckDtype(name, *operand, ElementType::kInt32);
+    };
+    JF_RETURN_IF_ERROR(take_int32("q_segment_ids", {s.seqlen_q}, &p->q_segment_ids));
+    JF_RETURN_IF_ERROR(take_int32("kv_segment_ids", {s.seqlen_k}, &p->kv_segment_ids));
+    JF_RETURN_IF_ERROR(take_int32("kv_span", {s.seqlen_q, 2}, &p->kv_span));
+    JF_RETURN_IF_ERROR(take_int32("q_span", {s.seqlen_k, 2}, &p->q_span));
   }
   return Status::Ok();
 }

@@ -4,10 +4,11 @@
            into ForwardParams/BackwardParams with full validation. Host compiler only.
 
     Targets (same names on the "cpu" and "CUDA" platforms):
-      jax_flash_fwd(q, k, v, [bias], [mask], [q_seqlens], [kv_seqlens]) -> (out, lse)
-      jax_flash_bwd(q, k, v, out, lse, dout, dlse, [bias], [mask], [q_seqlens], [kv_seqlens])
-                    -> (dq, dk, dv, [dbias], platform results...)
-    The bracketed operands are present in that order exactly when the matching has_* attribute
+      jax_flash_fwd(q, k, v, [bias], [mask], [q_seqlens], [kv_seqlens], [segments]) -> (out, lse)
+      jax_flash_bwd(q, k, v, out, lse, dout, dlse, [bias], [mask], [q_seqlens], [kv_seqlens],
+                    [segments]) -> (dq, dk, dv, [dbias], platform results...)
+    where [segments] is the four operands q_segment_ids, kv_segment_ids, kv_span, q_span. The
+    bracketed operands are present in that order exactly when the matching has_* attribute
     is true. The CUDA backward has one platform result: its workspace, uint8 of the size
     jax_flash._extension.backward_workspace_bytes reports (XLA allocates it like a temporary).
 */
@@ -33,6 +34,7 @@ struct AttentionAttrs {
   bool has_mask;
   bool has_q_seqlens;
   bool has_kv_seqlens;
+  bool has_segment_ids;  //!< the four segment operands (see above)
   bool deterministic;  //!< backward: bit-identical gradients across runs (forward: unused)
 };
 
@@ -44,7 +46,7 @@ auto BindForward(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // q
       .template Arg<ffi::AnyBuffer>()  // k
       .template Arg<ffi::AnyBuffer>()  // v
-      .RemainingArgs()                 // [bias], [mask], [q_seqlens], [kv_seqlens]
+      .RemainingArgs()                 // [bias], [mask], [q_seqlens], [kv_seqlens], [segments]
       .template Ret<ffi::AnyBuffer>()  // out
       .template Ret<ffi::AnyBuffer>();  // lse
 }
@@ -61,7 +63,7 @@ auto BindBackward(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // lse
       .template Arg<ffi::AnyBuffer>()  // dout
       .template Arg<ffi::AnyBuffer>()  // dlse
-      .RemainingArgs()                 // [bias], [mask], [q_seqlens], [kv_seqlens]
+      .RemainingArgs()                 // [bias], [mask], [q_seqlens], [kv_seqlens], [segments]
       .template Ret<ffi::AnyBuffer>()  // dq
       .template Ret<ffi::AnyBuffer>()  // dk
       .template Ret<ffi::AnyBuffer>()  // dv
@@ -99,4 +101,5 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_flash::AttentionAttrs,
                                       ::xla::ffi::StructMember<bool>("has_mask"),
                                       ::xla::ffi::StructMember<bool>("has_q_seqlens"),
                                       ::xla::ffi::StructMember<bool>("has_kv_seqlens"),
+                                      ::xla::ffi::StructMember<bool>("has_segment_ids"),
                                       ::xla::ffi::StructMember<bool>("deterministic"));

@@ -24,6 +24,9 @@
     Fused (no bias, at least kFusedMinTasks (batch item, kv head) pairs): one task per pair
        runs the key pass over all its key blocks in order and also accumulates dQ += dX K for
        the group's query heads in a T x H scratch: five matrix products.
+    Every pass visits the keys (queries) of a block's window and lengths only, narrowed with
+    segment ids to the union of the block's kv spans (q spans); a block whose range is empty
+    is skipped (the fused pass still walks every key block, writing zero dK/dV for those).
     dbias = dS summed over the axes where bias broadcasts. When dbias keeps the key axis, the
     key pass owns its columns: a task takes every (batch item, kv head) whose dS lands in the
     same dbias slice and sums them in a fixed order in a (rows x kLanes) scratch. When dbias
@@ -207,6 +210,7 @@ class Backward {
     const int64_t kv_len = SeqLen(p_.kv_seqlens, pr_.batch, b, pr_.S);
     int64_t jlo = 0, jhi = 0;
     KeyRange(pr_.options, i0, i0 + ni, kv_len, &jlo, &jhi);
+    IntersectSpans(p_.kv_span, pr_.batch, b, i0, i0 + ni, &jlo, &jhi);
     A* qt = ws.Get<A>(2, H * L);
     A* st = ws.Get<A>(3, kKeyBlock * L);
     A* k_rows = ws.Get<A>(4, kKeyBlock * H);
@@ -326,6 +330,7 @@ class Backward {
     if (nj <= 0) return;
     int64_t ilo = 0, ihi = 0;
     QueryRange(pr_.options, j0, j0 + nj, q_len, &ilo, &ihi);
+    IntersectSpans(p_.q_span, pr_.batch, b, j0, j0 + nj, &ilo, &ihi);
     if (ilo >= ihi) return;
     if (!*packed) {
       PackTransposed<A>(pr_, p_.k, b, j0, nj, kvh, A(1), t.row_buffer, t.kt);
@@ -493,7 +498,10 @@ class Backward {
     const int64_t kv_len = SeqLen(p_.kv_seqlens, pr_.batch, b, pr_.S);
     const int64_t ni = std::clamp<int64_t>(q_len - i0, 0, rows);
     int64_t jlo = 0, jhi = 0;
-    if (ni > 0) KeyRange(pr_.options, i0, i0 + ni, kv_len, &jlo, &jhi);
+    if (ni > 0) {
+      KeyRange(pr_.options, i0, i0 + ni, kv_len, &jlo, &jhi);
+      IntersectSpans(p_.kv_span, pr_.batch, b, i0, i0 + ni, &jlo, &jhi);
+    }
 
     A* dqt = ws.Get<A>(0, H * L);
     std::fill(dqt, dqt + H * L, A(0));

@@ -15,8 +15,10 @@
     one running sum over thousands of keys would accumulate rounding errors over all of them,
     while per block they pile up over kKeyBlock terms plus S / kKeyBlock partial sums only,
     which keeps long rows as accurate as xla's (the extra add replaces the rescaling pass).
-    Items of one head are consecutive, so the threads working on a head share its K and V in
-    cache. Extra memory per thread: a few kLanes x max(H, kKeyBlock) tiles.
+    The visible keys are those of the window and the key length, narrowed with segment ids to
+    the union of the block's kv spans (for a packed row of sorted documents: the documents of
+    the block's rows). Items of one head are consecutive, so the threads working on a head
+    share its K and V in cache. Extra memory per thread: a few kLanes x max(H, kKeyBlock) tiles.
 */
 #include <algorithm>
 #include <cmath>
@@ -66,7 +68,10 @@ class Forward {
     const int64_t kv_len = SeqLen(p_.kv_seqlens, pr_.batch, b, pr_.S);
     const int64_t ni = std::clamp<int64_t>(q_len - i0, 0, rows);
     int64_t jlo = 0, jhi = 0;
-    if (ni > 0) KeyRange(pr_.options, i0, i0 + ni, kv_len, &jlo, &jhi);
+    if (ni > 0) {
+      KeyRange(pr_.options, i0, i0 + ni, kv_len, &jlo, &jhi);
+      IntersectSpans(p_.kv_span, pr_.batch, b, i0, i0 + ni, &jlo, &jhi);
+    }
 
     A* m = ws.Get<A>(0, L);
     A* l = ws.Get<A>(1, L);

@@ -407,6 +407,28 @@ inline void QueryRange(const AttentionOptions& o, int64_t j_begin, int64_t j_end
   *hi = o.window_left >= 0 ? std::min<int64_t>(q_len, j_end - 1 + o.window_left + 1) : q_len;
 }
 
+//! Segment ids: narrows [*lo, *hi) to the union of the spans (a kv_span or q_span operand) of
+//! the rows [begin, end) of batch item b, i.e. to the keys (queries) that may share a segment
+//! with one of those queries (keys). Spans are clipped to [*lo, *hi), empty ones ignored; the
+//! range becomes empty when no span meets it. Nothing changes when `spans` is absent.
+inline void IntersectSpans(const Operand& spans, const BatchShape& batch, int64_t b,
+                           int64_t begin, int64_t end, int64_t* lo, int64_t* hi) {
+  if (!spans.present() || *lo >= *hi) return;
+  const int32_t* span = static_cast<const int32_t*>(spans.data) + spans.batch_offset(batch, b);
+  int64_t first = *hi, last = *lo;
+  for (int64_t r = begin; r < end; ++r) {
+    const int32_t* row = span + r * spans.stride[0];
+    const int64_t a = std::max<int64_t>(row[0], *lo);
+    const int64_t z = std::min<int64_t>(row[spans.stride[1]], *hi);
+    if (a < z) {
+      first = std::min(first, a);
+      last = std::max(last, z);
+    }
+  }
+  *lo = first;
+  *hi = last;
+}
+
 //! Whether some (i, j) of the block [i_begin, i_end) x [j_begin, j_end) is outside the window.
 inline bool WindowCutsBlock(const AttentionOptions& o, int64_t i_begin, int64_t i_end,
                             int64_t j_begin, int64_t j_end) {

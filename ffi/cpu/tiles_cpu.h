@@ -6,7 +6,8 @@
     when it is packed (rounded to the accumulation type), the dot product runs over the head
     dimension in the micro-kernel's chunks (kSumChunk terms, one fused multiply-add each),
     then the soft-cap is applied (one out-of-line routine, SoftCapRows) and the bias is added
-    after. The backward therefore recomputes exactly the forward's logits.
+    after. The backward therefore recomputes exactly the forward's logits. Entries invisible
+    under the window, the mask or the segment ids become -inf last.
 */
 #pragma once
 
@@ -55,6 +56,12 @@ struct Problem {
   //! Offset of element (head, i, j) of a bias/mask-shaped operand (strides 0 where broadcast).
   int64_t LogitOffset(const Operand& op, int64_t b, int64_t head, int64_t i, int64_t j) const {
     return op.batch_offset(batch, b) + head * op.stride[0] + i * op.stride[1] + j * op.stride[2];
+  }
+  //! Segment ids of batch item b indexed by row (their rows are contiguous, or a single row),
+  //! or nullptr without segment ids.
+  const int32_t* SegmentIds(const Operand& ids, int64_t b) const {
+    if (!ids.present()) return nullptr;
+    return static_cast<const int32_t*>(ids.data) + ids.batch_offset(batch, b);
   }
 
   const ForwardParams& p;
@@ -131,12 +138,46 @@ inline void KeepLanes(A* row, int64_t lo, int64_t hi) {
   for (int64_t t = 0; t < L; ++t) row[t] = (t < lo || t > hi) ? kNegInf<A> : row[t];
 }
 
+//! Segment ids: sets tile[r][t] (r < rows, row stride kLanes) to -inf where row_ids[r] differs
+//! from lane_ids[t], for the lanes t < lanes; the lanes past them (padding or junk) may become
+//! -inf too. The lane ids are gathered once into vectors, and a tile whose rows and lanes all
+//! share one id is left alone.
+template <typename A>
+void KeepSameSegment(A* tile, int64_t rows, const int32_t* row_ids, const int32_t* lane_ids,
+                     int64_t lanes) {
+  using V = VecOf<A>;
+  using I = typename Simd<A>::Int;
+  using IV = typename Simd<A>::IVec;
+  constexpr int64_t L = kLanes<A>;
+  constexpr int W = Simd<A>::kWidth;
+  if (rows <= 0 || lanes <= 0) return;
+  const int32_t first = lane_ids[0];
+  alignas(kTileAlign) I ids[L];
+  bool uniform = true;
+  for (int64_t t = 0; t < L; ++t) {
+    ids[t] = t < lanes ? lane_ids[t] : first;
+    uniform = uniform && ids[t] == first;
+  }
+  for (int64_t r = 0; uniform && r < rows; ++r) uniform = row_ids[r] == first;
+  if (uniform) return;
+  IV lane[4];
+  for (int v = 0; v < 4; ++v) lane[v] = Load<IV>(ids + v * W);
+  const V neg_inf = Splat<V>(kNegInf<A>);
+  for (int64_t r = 0; r < rows; ++r) {
+    A* row = tile + r * L;
+    const IV id = Splat<IV>(static_cast<I>(row_ids[r]));
+    for (int v = 0; v < 4; ++v) {
+      Store(row + v * W, lane[v] == id ? Load<V>(row + v * W) : neg_inf);
+    }
+  }
+}
+
 //! Logits tile with the queries on the lanes: st[j][i] for keys j0 + j (j < nk) and queries
 //! i0 + i (i < ni live rows; other lanes hold finite junk that no result reads). The key
 //! rows come from `k_rows` (row stride k_stride) and the scaled queries from the packed qt.
-//! The soft-cap applies, then the bias is added; invisible entries (window, mask) become -inf.
-//! Keys past kv_len must not be in [j0, j0 + nk). Under soft-capping, `dtanh` (nk x kLanes,
-//! or nullptr) receives 1 - tanh^2 of each entry; it is left alone otherwise.
+//! The soft-cap applies, then the bias is added; invisible entries (window, mask, segment ids)
+//! become -inf. Keys past kv_len must not be in [j0, j0 + nk). Under soft-capping, `dtanh`
+//! (nk x kLanes, or nullptr) receives 1 - tanh^2 of each entry; it is left alone otherwise.
 template <typename A>
 void LogitsQueryLanes(const Problem& pr, int64_t b, int64_t n, int64_t i0, int64_t ni, int64_t j0,
                       int64_t nk, const A* k_rows, int64_t k_stride, const A* qt, A* st,
@@ -169,6 +210,10 @@ void LogitsQueryLanes(const Problem& pr, int64_t b, int64_t n, int64_t i0, int64
         if (!row[j * ms]) st[j * L + i] = kNegInf<A>;
       }
     }
+  }
+  if (p.q_segment_ids.present()) {
+    KeepSameSegment<A>(st, nk, pr.SegmentIds(p.kv_segment_ids, b) + j0,
+                       pr.SegmentIds(p.q_segment_ids, b) + i0, ni);
   }
 }
 
@@ -209,6 +254,10 @@ void LogitsKeyLanes(const Problem& pr, int64_t b, int64_t n, int64_t i0, int64_t
         if (!row[j * ms]) srow[j] = kNegInf<A>;
       }
     }
+  }
+  if (p.q_segment_ids.present()) {
+    KeepSameSegment<A>(s, ni, pr.SegmentIds(p.q_segment_ids, b) + i0,
+                       pr.SegmentIds(p.kv_segment_ids, b) + j0, nj);
   }
 }
 

@@ -28,6 +28,11 @@ Status CheckProblem(const ForwardParams& p, const char* pass, bool takes_bias, b
                                    " kernel takes no bias or mask arrays (jax_flash routes those "
                                    "calls to its blockwise path)");
   }
+  if (p.q_segment_ids.present() || p.kv_segment_ids.present() || p.kv_span.present() ||
+      p.q_span.present()) {
+    return Status::InvalidArgument("jax_flash: the Hopper kernels take no segment ids; jax_flash "
+                                   "routes those calls to its blockwise path");
+  }
   if (s.head_dim % kHeadDimMultiple != 0 || s.head_dim > max_head_dim) {
     return Status::InvalidArgument("jax_flash: head dim " + std::to_string(s.head_dim) +
                                    " is not supported by the Hopper " + pass +
