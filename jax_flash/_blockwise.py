@@ -49,7 +49,6 @@ float64 matmuls run at HIGHEST precision.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax

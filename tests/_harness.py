@@ -12,7 +12,8 @@ import ml_dtypes
 import numpy as np
 
 import jax_flash
-from jax_flash import _config
+from jax_flash import _blockwise, _config
+from jax_flash._validation import canonicalize
 
 import _reference as ref
 from _tolerances import allowed_error, gamma
@@ -520,3 +521,61 @@ def check_gradients(case: Case, platform: str = "cpu", seed: int = 0, *, through
                  chain=case.S + case.T + case.H, logit_max=L, note=base_name or "",
                  propagated=e)
   return ours
+
+
+# --- the blockwise path called directly ----------------------------------------------------------
+
+BLOCKWISE_BLOCK_K = 16  # several key blocks, the last one overlapping its predecessor
+
+
+def blockwise_run(case: Case, inp):
+  """run(q, k, v, bias, dout, dlse) -> ([dq, dk, dv(, dbias)], (out, lse)): _blockwise.forward,
+  then _blockwise.backward with the output and lse cotangents (no jax differentiation
+  involved); mask, lengths, soft-cap and segment ids are the case's. One compilation serves
+  the forward check and the gradient check."""
+  assert case.scale is None or case.scale >= 0, "a negative scale negates the query"
+
+  @jax.jit
+  def run(q, k, v, bias, dout, dlse):
+    call = canonicalize(q, k, v, bias, inp.mask, scale=case.scale, is_causal=case.is_causal,
+                        query_seq_lengths=inp.q_lens, key_value_seq_lengths=inp.kv_lens,
+                        local_window_size=case.window, logits_soft_cap=case.softcap,
+                        query_segment_ids=inp.q_seg, key_value_segment_ids=inp.kv_seg)
+    args = (call.config, call.query, call.key, call.value, call.bias, call.mask,
+            call.query_seq_lengths, call.key_value_seq_lengths)
+    segments = dict(q_seg=call.query_segment_ids, kv_seg=call.key_value_segment_ids)
+    out, lse = _blockwise.forward(*args, **segments, block_k=BLOCKWISE_BLOCK_K)
+    dout = dout.reshape(out.shape)
+    dlse = jnp.swapaxes(dlse.reshape(lse.shape[:1] + dlse.shape[-2:]), -1, -2)
+    dq, dk, dv, dbias = _blockwise.backward(*args, out, lse, dout, dlse, **segments,
+                                            block_k=BLOCKWISE_BLOCK_K)
+    grads = [g.reshape(x.shape) for g, x in ((dq, q), (dk, k), (dv, v))]
+    if bias is not None:
+      grads.append(dbias.reshape(bias.shape))
+    lse = jnp.swapaxes(lse, -1, -2)
+    return grads, ((out[0], lse[0]) if call.unbatched else (out, lse))
+
+  return run
+
+
+def blockwise_forward(run):
+  """A `wrap` for check_forward: f(q, k, v, bias, ...) -> (out, lse) from `run`."""
+  def f(q, k, v, bias=None, *unused):  # the other operands: the case's, already in `run`
+    lse = jnp.zeros(q.shape[:-1], _config.accumulation_dtype(q.dtype))
+    return run(q, k, v, bias, jnp.zeros_like(q), lse)[1]
+  return lambda ours: f
+
+
+def blockwise_grads(run):
+  """A grad_fn for check_gradients from `run`."""
+  def grad_fn(f, primals, cotangent):
+    del f
+    q, k, v, *bias = primals
+    through_lse = isinstance(cotangent, tuple)
+    dout, dlse = cotangent if through_lse else (cotangent, None)
+    if dlse is None:
+      dlse = jnp.zeros(q.shape[:-1], _config.accumulation_dtype(q.dtype))
+    grads, (out, lse) = run(q, k, v, bias[0] if bias else None, dout, dlse)
+    return grads, ((out, lse) if through_lse else out)
+
+  return grad_fn

@@ -29,3 +29,14 @@ def platform_params(values, gpu_values=None, ids=str):
   gpu_values = values if gpu_values is None else gpu_values
   return ([pytest.param("cpu", v, id=f"cpu-{ids(v)}") for v in values] +
           [pytest.param("gpu", v, marks=pytest.mark.gpu, id=f"gpu-{ids(v)}") for v in gpu_values])
+
+
+def named_platform_dtypes(cpu_dtypes_by_name):
+  """(platform, dtype, name) parameters: for each (name, CPU dtypes) pair, those dtypes on the
+  CPU and every GPU dtype of the table on the GPU (marked)."""
+  params = []
+  for name, cpu_dtypes in cpu_dtypes_by_name:
+    for p in platform_dtypes(cpu_dtypes):
+      platform, dtype = p.values
+      params.append(pytest.param(platform, dtype, name, marks=p.marks, id=f"{p.id}-{name}"))
+  return params

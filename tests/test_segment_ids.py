@@ -25,14 +25,16 @@ import pytest
 
 import jax_flash
 import jax_flash.flax as jf
-from jax_flash import _blockwise, _config, _primitive
+from jax_flash import _config, _primitive
 from jax_flash._validation import canonicalize
 
 import _reference as ref
-from _harness import (Case, assert_close, check_forward, check_gradients, cotangents,
-                      default_dtype, default_head_dim, forward_baseline, live_rows, lse_dtype,
-                      make_inputs, np_dtype, reference_hi, visibility)
-from _platforms import GPU, platform_dtypes, platform_params, with_platform
+from _harness import (Case, assert_close, blockwise_forward, blockwise_grads, blockwise_run,
+                      check_forward, check_gradients, cotangents, default_dtype, default_head_dim,
+                      forward_baseline, live_rows, lse_dtype, make_inputs, np_dtype, reference_hi,
+                      visibility)
+from _platforms import (GPU, named_platform_dtypes, platform_dtypes, platform_params,
+                        with_platform)
 
 DOCS = (20, 37, 13)  # documents packed in a row of 70
 
@@ -66,13 +68,9 @@ ALL_DTYPE_CASES = ("packed-causal-gqa",)
 
 
 def _cases_and_dtypes():
-  params = []
-  for name in CASES:
-    cpu = [d.name for d in _config.CPU_DTYPES] if name in ALL_DTYPE_CASES else ["float32"]
-    for p in platform_dtypes(cpu, [d.name for d in _config.GPU_DTYPES]):
-      platform, dtype = p.values
-      params.append(pytest.param(platform, dtype, name, marks=p.marks, id=f"{p.id}-{name}"))
-  return params
+  all_cpu = [d.name for d in _config.CPU_DTYPES]
+  return named_platform_dtypes((name, all_cpu if name in ALL_DTYPE_CASES else ["float32"])
+                               for name in CASES)
 
 
 @with_platform("platform,dtype,name", _cases_and_dtypes())
@@ -319,58 +317,6 @@ def test_cpu_kernels_take_the_ids_and_their_spans():
 
 # --- the blockwise path, called directly -------------------------------------------------------
 
-BLOCK_K = 16  # several key blocks, the last one overlapping its predecessor
-
-
-def _blockwise_run(case: Case, inp):
-  """run(q, k, v, bias, dout, dlse) -> ([dq, dk, dv(, dbias)], (out, lse)): _blockwise.forward,
-  then _blockwise.backward with the output and lse cotangents (no jax differentiation
-  involved); mask, lengths and segment ids are the case's."""
-  assert case.scale is None or case.scale >= 0, "a negative scale negates the query"
-
-  @jax.jit
-  def run(q, k, v, bias, dout, dlse):
-    call = canonicalize(q, k, v, bias, inp.mask, scale=case.scale, is_causal=case.is_causal,
-                        query_seq_lengths=inp.q_lens, key_value_seq_lengths=inp.kv_lens,
-                        local_window_size=case.window, logits_soft_cap=case.softcap,
-                        query_segment_ids=inp.q_seg, key_value_segment_ids=inp.kv_seg)
-    args = (call.config, call.query, call.key, call.value, call.bias, call.mask,
-            call.query_seq_lengths, call.key_value_seq_lengths)
-    segments = dict(q_seg=call.query_segment_ids, kv_seg=call.key_value_segment_ids)
-    out, lse = _blockwise.forward(*args, **segments, block_k=BLOCK_K)
-    dout = dout.reshape(out.shape)
-    dlse = jnp.swapaxes(dlse.reshape(lse.shape[:1] + dlse.shape[-2:]), -1, -2)
-    dq, dk, dv, dbias = _blockwise.backward(*args, out, lse, dout, dlse, **segments,
-                                            block_k=BLOCK_K)
-    grads = [g.reshape(x.shape) for g, x in ((dq, q), (dk, k), (dv, v))]
-    if bias is not None:
-      grads.append(dbias.reshape(bias.shape))
-    lse = jnp.swapaxes(lse, -1, -2)
-    return grads, ((out[0], lse[0]) if call.unbatched else (out, lse))
-
-  return run
-
-
-def _blockwise_forward(run):
-  """A `wrap` for check_forward: f(q, k, v, bias, ...) -> (out, lse) from `run`."""
-  def f(q, k, v, bias=None, *unused):  # the other operands: the case's, already in `run`
-    lse = jnp.zeros(q.shape[:-1], _config.accumulation_dtype(q.dtype))
-    return run(q, k, v, bias, jnp.zeros_like(q), lse)[1]
-  return lambda ours: f
-
-
-def _blockwise_grads(run):
-  """A grad_fn for check_gradients from `run`."""
-  def grad_fn(f, primals, cotangent):
-    del f
-    q, k, v, *bias = primals
-    dout, dlse = cotangent
-    grads, (out, lse) = run(q, k, v, bias[0] if bias else None, dout, dlse)
-    return grads, (out, lse)
-
-  return grad_fn
-
-
 BLOCKWISE_CASES = {
     "packed-causal-gqa-bias": dict(N=4, K=2, H=24, is_causal=True, bias="B1TS",
                                    q_segs=(DOCS, (35, 35, 0))),
@@ -381,22 +327,17 @@ BLOCKWISE_CASES = {
 
 
 def _blockwise_params():
-  params = []
-  for name, cpu_dtypes in (("packed-causal-gqa-bias", ["bfloat16"]),
-                           ("cross-unsorted-window-lengths-mask", ["float64"])):
-    for p in platform_dtypes(cpu_dtypes):
-      platform, dtype = p.values
-      params.append(pytest.param(platform, dtype, name, marks=p.marks, id=f"{p.id}-{name}"))
-  return params
+  return named_platform_dtypes((("packed-causal-gqa-bias", ["bfloat16"]),
+                                ("cross-unsorted-window-lengths-mask", ["float64"])))
 
 
 @with_platform("platform,dtype,name", _blockwise_params())
 def test_blockwise_path(platform, dtype, name):
   case = case_on(platform, dtype=dtype, **BLOCKWISE_CASES[name])
   inp = make_inputs(case)
-  run = _blockwise_run(case, inp)
-  check_forward(case, platform, inp=inp, wrap=_blockwise_forward(run))
-  check_gradients(case, platform, inp=inp, through_lse=True, grad_fn=_blockwise_grads(run))
+  run = blockwise_run(case, inp)
+  check_forward(case, platform, inp=inp, wrap=blockwise_forward(run))
+  check_gradients(case, platform, inp=inp, through_lse=True, grad_fn=blockwise_grads(run))
 
 
 # --- routing -----------------------------------------------------------------------------------

@@ -22,13 +22,15 @@ import pytest
 
 import jax_flash
 import jax_flash.flax as jf
-from jax_flash import _blockwise, _config, _primitive
+from jax_flash import _config, _primitive
 from jax_flash._validation import canonicalize
 
-from _harness import (Case, assert_close, check_forward, check_gradients, cotangents,
-                      default_dtype, default_head_dim, forward_baseline, live_rows, lse_baseline,
-                      make_inputs, np_dtype, reference_hi, run_ours, visibility)
-from _platforms import GPU, platform_dtypes, platform_params, with_platform
+from _harness import (Case, assert_close, blockwise_forward, blockwise_grads, blockwise_run,
+                      check_forward, check_gradients, cotangents, default_dtype, default_head_dim,
+                      forward_baseline, live_rows, lse_baseline, make_inputs, np_dtype,
+                      reference_hi, run_ours, visibility)
+from _platforms import (GPU, named_platform_dtypes, platform_dtypes, platform_params,
+                        with_platform)
 
 CAP = 5.0
 # q and k entries of standard deviation STD give scaled logits of standard deviation STD**2 = 9
@@ -77,13 +79,9 @@ ALL_DTYPE_CASES = ("causal-gqa",)
 
 
 def _cases_and_dtypes():
-  params = []
-  for name in CASES:
-    cpu = [d.name for d in _config.CPU_DTYPES] if name in ALL_DTYPE_CASES else ["float32"]
-    for p in platform_dtypes(cpu, [d.name for d in _config.GPU_DTYPES]):
-      platform, dtype = p.values
-      params.append(pytest.param(platform, dtype, name, marks=p.marks, id=f"{p.id}-{name}"))
-  return params
+  all_cpu = [d.name for d in _config.CPU_DTYPES]
+  return named_platform_dtypes((name, all_cpu if name in ALL_DTYPE_CASES else ["float32"])
+                               for name in CASES)
 
 
 @with_platform("platform,dtype,name", _cases_and_dtypes())
@@ -222,68 +220,6 @@ def test_vmap_and_grad_of_vmap(platform):
 
 # --- the blockwise path, called directly -------------------------------------------------------
 
-BLOCK_K = 16  # several key blocks, the last one overlapping its predecessor
-
-
-def _canonical(case: Case, q, k, v, bias, mask, q_lens, kv_lens):
-  assert case.scale is None or case.scale >= 0, "a negative scale negates the query"
-  call = canonicalize(q, k, v, bias, mask, scale=case.scale, is_causal=case.is_causal,
-                      query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
-                      local_window_size=case.window, logits_soft_cap=case.softcap)
-  assert call.config.softcap == case.softcap
-  return call, (call.config, call.query, call.key, call.value, call.bias, call.mask,
-                call.query_seq_lengths, call.key_value_seq_lengths)
-
-
-def _public(call, out, lse):
-  """(out, lse) shaped as dot_product_attention returns them."""
-  lse = jnp.swapaxes(lse, -1, -2)
-  return (out[0], lse[0]) if call.unbatched else (out, lse)
-
-
-def _blockwise_run(case: Case, inp):
-  """run(q, k, v, bias, dout, dlse) -> ([dq, dk, dv(, dbias)], (out, lse)): _blockwise.forward,
-  then _blockwise.backward with the output and lse cotangents (no jax differentiation
-  involved); mask and lengths are the case's. One compilation serves the forward check and
-  the gradient check."""
-  @jax.jit
-  def run(q, k, v, bias, dout, dlse):
-    call, args = _canonical(case, q, k, v, bias, inp.mask, inp.q_lens, inp.kv_lens)
-    out, lse = _blockwise.forward(*args, block_k=BLOCK_K)
-    dout = dout.reshape(out.shape)
-    dlse = jnp.swapaxes(dlse.reshape(lse.shape[:1] + dlse.shape[-2:]), -1, -2)
-    dq, dk, dv, dbias = _blockwise.backward(*args, out, lse, dout, dlse, block_k=BLOCK_K)
-    grads = [g.reshape(x.shape) for g, x in ((dq, q), (dk, k), (dv, v))]
-    if bias is not None:
-      grads.append(dbias.reshape(bias.shape))
-    return grads, _public(call, out, lse)
-
-  return run
-
-
-def _blockwise_forward(run):
-  """A `wrap` for check_forward: f(q, k, v, bias, ...) -> (out, lse) from `run`."""
-  def f(q, k, v, bias=None, *unused):  # mask and lengths: the case's, already in `run`
-    lse = jnp.zeros(q.shape[:-1], _config.accumulation_dtype(q.dtype))
-    return run(q, k, v, bias, jnp.zeros_like(q), lse)[1]
-  return lambda ours: f
-
-
-def _blockwise_grads(run):
-  """A grad_fn for check_gradients from `run`."""
-  def grad_fn(f, primals, cotangent):
-    del f
-    q, k, v, *bias = primals
-    through_lse = isinstance(cotangent, tuple)
-    dout, dlse = cotangent if through_lse else (cotangent, None)
-    if dlse is None:
-      dlse = jnp.zeros(q.shape[:-1], _config.accumulation_dtype(q.dtype))
-    grads, (out, lse) = run(q, k, v, bias[0] if bias else None, dout, dlse)
-    return grads, ((out, lse) if through_lse else out)
-
-  return grad_fn
-
-
 BLOCKWISE_CASES = {
     "causal-gqa-bias": dict(T=37, S=53, N=4, K=2, H=24, is_causal=True, bias="B1TS"),
     "window-lengths-mask": dict(B=3, T=40, S=50, q_lens=(40, 17, 0), kv_lens=(50, 5, 20),
@@ -292,13 +228,8 @@ BLOCKWISE_CASES = {
 
 
 def _blockwise_params():
-  params = []
-  for name, cpu_dtypes in (("causal-gqa-bias", ["bfloat16"]),
-                           ("window-lengths-mask", ["float64"])):
-    for p in platform_dtypes(cpu_dtypes):
-      platform, dtype = p.values
-      params.append(pytest.param(platform, dtype, name, marks=p.marks, id=f"{p.id}-{name}"))
-  return params
+  return named_platform_dtypes((("causal-gqa-bias", ["bfloat16"]),
+                                ("window-lengths-mask", ["float64"])))
 
 
 @with_platform("platform,dtype,name", _blockwise_params())
@@ -306,9 +237,9 @@ def test_blockwise_path(platform, dtype, name):
   case = case_on(platform, dtype=dtype, **BLOCKWISE_CASES[name])
   inp = make_inputs(case)
   assert_cap_binds(case, inp)
-  run = _blockwise_run(case, inp)
-  check_forward(case, platform, inp=inp, wrap=_blockwise_forward(run))
-  check_gradients(case, platform, inp=inp, through_lse=True, grad_fn=_blockwise_grads(run))
+  run = blockwise_run(case, inp)
+  check_forward(case, platform, inp=inp, wrap=blockwise_forward(run))
+  check_gradients(case, platform, inp=inp, through_lse=True, grad_fn=blockwise_grads(run))
 
 
 # --- routing -----------------------------------------------------------------------------------
