@@ -173,13 +173,18 @@ def _deterministic(deterministic) -> bool:
   return bool(deterministic)
 
 
+def _static_number(value, name: str) -> float:
+  """A static Python real number (not a bool, array or traced value) as a float."""
+  if not isinstance(value, numbers.Real) or isinstance(value, bool):
+    raise TypeError(f"{name} must be a static Python number or None, got "
+                    f"{type(value).__name__}")
+  return float(value)
+
+
 def _softcap(logits_soft_cap) -> float:
   if logits_soft_cap is None:
     return 0.0
-  if not isinstance(logits_soft_cap, numbers.Real) or isinstance(logits_soft_cap, bool):
-    raise TypeError(f"logits_soft_cap must be a static Python number or None, got "
-                    f"{type(logits_soft_cap).__name__}")
-  cap = float(logits_soft_cap)
+  cap = _static_number(logits_soft_cap, "logits_soft_cap")
   if not (math.isfinite(cap) and cap > 0):
     raise ValueError(f"logits_soft_cap must be finite and positive (None turns soft-capping "
                      f"off), got {logits_soft_cap!r}")
@@ -226,12 +231,7 @@ def canonicalize(query, key, value, bias, mask, *, scale, is_causal, query_seq_l
 
   if not isinstance(is_causal, (bool, np.bool_)):
     raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-  if scale is None:
-    scale = 1.0 / math.sqrt(H)
-  elif isinstance(scale, numbers.Real) and not isinstance(scale, bool):
-    scale = float(scale)
-  else:
-    raise TypeError(f"scale must be a static Python number or None, got {type(scale).__name__}")
+  scale = 1.0 / math.sqrt(H) if scale is None else _static_number(scale, "scale")
   if not math.isfinite(scale):
     raise ValueError(f"scale must be finite, got {scale}")
   if scale < 0:
