@@ -7,8 +7,9 @@ case so that the cases run in parallel and a slow one is named).
 Cases, for each compiled tile: causal and not, a local window, ragged query and key/value
 lengths (zero and past the end included), mostly empty batch items over a grid where every
 CTA walks several tiles, grouped-query heads, sizes that are not multiples of any tile, every
-compiled dtype, the backward's ordered (deterministic) dQ reduction, and logit soft-capping
-(its own instantiation of each tile; causal, ragged). Each case also runs
+compiled dtype, the backward's ordered (deterministic) dQ reduction, logit soft-capping
+(its own instantiation of each tile; causal, ragged) and segment ids (sorted and not; their
+own instantiations, with and without soft-capping). Each case also runs
 the gradients (the backward's three kernels). Every output and gradient is checked to be
 finite, so a kernel that reads garbage fails here too.
 """
@@ -42,10 +43,17 @@ def cases():
     if "softcap" in _config.SM90_FORWARD.features | _config.SM90_BACKWARD.features:
       yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=True, window=None,
                  lengths="ragged", softcap=2.0)
+    if "segment_ids" in _config.SM90_FORWARD.features | _config.SM90_BACKWARD.features:
+      # Sorted ids (exact spans: blocks skipped, per-row ranges) with the ordered dQ reduction,
+      # and unsorted ids (compared pair by pair) with soft-capping.
+      yield dict(H=H, dtype=dtypes[i % len(dtypes)], is_causal=True, window=None,
+                 lengths="ragged", segments="sorted", deterministic=True)
+      yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=False, window=(50, 20),
+                 lengths=None, segments="unsorted", softcap=3.0)
 
 
 def run(H, dtype, is_causal, window, lengths, B=3, T=167, S=201, N=4, K=2, deterministic=False,
-        grads=True, softcap=None):
+        grads=True, softcap=None, segments=None):
   # Inputs from numpy: compiling jax.random's kernels under the sanitizer costs more host time
   # than the attention itself.
   rng = np.random.default_rng(H)
@@ -59,6 +67,12 @@ def run(H, dtype, is_causal, window, lengths, B=3, T=167, S=201, N=4, K=2, deter
     b = np.arange(B)
     kwargs.update(query_seq_lengths=jnp.asarray(np.where(b % 2 == 1, 0, T), jnp.int32),
                   key_value_seq_lengths=jnp.asarray(np.where(b % 6 == 0, S, 0), jnp.int32))
+  if segments is not None:  # documents of 1-90 positions; the ids of q and k/v runs differ
+    q_seg, kv_seg = (np.sort(rng.integers(0, L // 45, (B, L)), axis=-1).astype(np.int32)
+                     for L in (T, S))
+    if segments == "unsorted":
+      q_seg, kv_seg = rng.permuted(q_seg, axis=-1), rng.permuted(kv_seg, axis=-1)
+    kwargs.update(query_segment_ids=jnp.asarray(q_seg), key_value_segment_ids=jnp.asarray(kv_seg))
   dout = jnp.asarray(rng.standard_normal((B, T, N, H), np.float32), dtype)
 
   def loss(q, k, v):
@@ -76,7 +90,8 @@ def run(H, dtype, is_causal, window, lengths, B=3, T=167, S=201, N=4, K=2, deter
   for name, x in zip(("output", "dq", "dk", "dv"), (out, *results)):
     if not np.isfinite(np.asarray(x.astype(jnp.float32))).all():
       raise AssertionError(f"non-finite {name} for H={H} {dtype} causal={is_causal} "
-                           f"window={window} lengths={lengths} softcap={softcap}")
+                           f"window={window} lengths={lengths} softcap={softcap} "
+                           f"segments={segments}")
   return out
 
 

@@ -33,8 +33,7 @@ from _harness import (Case, assert_close, blockwise_forward, blockwise_grads, bl
                       check_forward, check_gradients, cotangents, default_dtype, default_head_dim,
                       forward_baseline, live_rows, lse_dtype, make_inputs, np_dtype, reference_hi,
                       visibility)
-from _platforms import (GPU, named_platform_dtypes, platform_dtypes, platform_params,
-                        with_platform)
+from _platforms import GPU, named_platform_dtypes, platform_dtypes, with_platform
 
 DOCS = (20, 37, 13)  # documents packed in a row of 70
 
@@ -268,8 +267,8 @@ def test_jit_of_vmap_of_grad(platform, subset):
 
 def _brute_spans(ids, other):
   """_primitive._spans by its definition, per batch item: the tight range where `other` is
-  sorted, else everything."""
-  lo = np.zeros(ids.shape, np.int32)
+  sorted, else everything, marked inexact (lo = -1)."""
+  lo = np.full(ids.shape, -1, np.int32)
   hi = np.full(ids.shape, other.shape[-1], np.int32)
   if np.all(np.diff(other) >= 0):
     lo = np.searchsorted(other, ids, side="left")
@@ -345,7 +344,7 @@ def test_blockwise_path(platform, dtype, name):
 
 def test_gpu_routing_follows_the_segment_ids_feature():
   """A call with segment ids runs on a Hopper kernel only if the kernel lists "segment_ids"
-  (none does yet: kernel_configs.json); without ids the same kernel runs it."""
+  (both do: kernel_configs.json); without ids the same kernel runs it."""
   config = canonicalize(*(np.zeros((1, 4, 2, 8), np.float32),) * 3, None, None, scale=None,
                         is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
                         local_window_size=None).config
@@ -358,14 +357,14 @@ def test_gpu_routing_follows_the_segment_ids_feature():
   assert route(plain, q_seg=ids) == "blockwise"
   assert route(plain, q_seg=None) == "kernel"
   for kernel in (_config.SM90_FORWARD, _config.SM90_BACKWARD):
-    assert "segment_ids" not in kernel.features
-    assert route(kernel, q_seg=ids) == "blockwise"
+    assert "segment_ids" in kernel.features
+    assert route(kernel, q_seg=ids) == "kernel"
 
 
 @pytest.mark.parametrize("platform", [GPU], indirect=True)
-def test_calls_with_segment_ids_take_the_blockwise_path(platform):
-  """On the GPU, forward and backward with segment ids compile without the Hopper kernels'
-  calls; the same call without ids reaches them."""
+def test_calls_with_segment_ids_reach_the_kernels(platform):
+  """On the GPU, forward and backward with segment ids compile to the Hopper kernels' calls
+  where the kernels list the feature, as the same call without ids does."""
   q = jnp.zeros((1, 64, 2, 64), _config.GPU_DTYPES[0])
   ids = jnp.repeat(jnp.arange(2, dtype=jnp.int32), 32)[None]
 
@@ -385,16 +384,58 @@ def test_calls_with_segment_ids_take_the_blockwise_path(platform):
 # --- the GPU -----------------------------------------------------------------------------------
 
 
-@with_platform("platform,H", platform_params([], sorted(set(_config.GPU_HEAD_DIMS))))
-def test_gpu_long_packed_rows(platform, H):
+# Runs over 800 positions that cross the kernels' blocks (64-192 rows) at odd places, a
+# document of a single position, and a batch item holding one document over the whole row
+# (whole blocks inside one document: no per-element test there).
+LONG_RUNS = ((300, 1, 99, 250, 150), (800, 0, 0, 0, 0))
+GPU_PACKED_ROWS = {
+    "sorted": dict(),
+    # Unsorted ids: spans cover the whole row (not exact) and the ids are compared everywhere.
+    "unsorted": dict(shuffle_segs="both"),
+    # Query document 1 has no key (its rows see nothing), key document 3 no query.
+    "one-sided": dict(q_segs=((300, 100, 0, 250, 150), (800, 0, 0, 0, 0)),
+                      kv_segs=((300, 0, 100, 250, 150), (800, 0, 0, 0, 0))),
+    "window-softcap": dict(window=(90, 0), softcap=4.0),
+}
+
+
+@with_platform("platform,H,name",
+               [pytest.param("gpu", H, name, marks=pytest.mark.gpu, id=f"gpu-{H}-{name}")
+                for H in sorted(set(_config.GPU_HEAD_DIMS)) for name in GPU_PACKED_ROWS])
+def test_gpu_long_packed_rows(platform, H, name):
   """Many documents per row over many key blocks, causal with GQA and ragged lengths, in each
-  GPU dtype."""
+  GPU dtype, on the Hopper kernels."""
   for i, dtype in enumerate(_config.GPU_DTYPES):
-    runs = ((300, 1, 99, 250, 150), (800, 0, 0, 0, 0))
-    case = Case(B=2, T=800, S=800, N=4, K=2, H=H, dtype=dtype.name, is_causal=True,
-                q_lens=(800, 500), kv_lens=(700 + 50 * i, 800), q_segs=runs, kv_segs=runs)
+    fields = dict(B=2, T=800, S=800, N=4, K=2, H=H, dtype=dtype.name, is_causal=True,
+                  q_lens=(800, 500), kv_lens=(700 + 50 * i, 800), q_segs=LONG_RUNS,
+                  kv_segs=LONG_RUNS)
+    case = Case(**{**fields, **GPU_PACKED_ROWS[name]})
     check_forward(case, platform)
     check_gradients(case, platform, through_lse=True)
+
+
+@pytest.mark.parametrize("platform", [GPU], indirect=True)
+def test_gpu_deterministic_gradients_with_segment_ids(platform):
+  """The ordered dQ reduction with segment ids (whose key blocks visit every query block their
+  window reaches): bit-identical from run to run, and equal to the unordered one within
+  rounding."""
+  case = Case(B=2, T=800, S=800, N=4, K=2, H=128, dtype=_config.GPU_DTYPES[0].name,
+              is_causal=True, q_segs=LONG_RUNS, kv_segs=LONG_RUNS)
+  inp = make_inputs(case)
+  q, k, v = (jnp.asarray(x) for x in (inp.q, inp.k, inp.v))
+  ids = dict(query_segment_ids=jnp.asarray(inp.q_seg), key_value_segment_ids=jnp.asarray(inp.kv_seg))
+
+  def grads(deterministic):
+    def loss(q, k, v):
+      out = jax_flash.dot_product_attention(q, k, v, is_causal=True, deterministic=deterministic,
+                                            **ids)
+      return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.shape[1]))[:, None, None])
+    return [np.asarray(g.astype(jnp.float32)) for g in jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)]
+
+  first, second, unordered = grads(True), grads(True), grads(False)
+  for a, b, c in zip(first, second, unordered):
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(a, c, rtol=2e-2, atol=2e-2 * np.abs(c).max())
 
 
 # --- Flax ----------------------------------------------------------------------------------------

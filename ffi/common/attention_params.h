@@ -114,8 +114,9 @@ struct ForwardParams {
   Operand kv_seqlens;  //!< optional, int32
   //! Segment ids, optional and present together, int32. kv_span[b, i] = [lo, hi) holds every
   //! key whose id is q_seg[b, i] (keys outside may be skipped); q_span[b, j] likewise every
-  //! query whose id is kv_seg[b, j]. Spans need not be tight (Python computes them with
-  //! searchsorted where a row's kv ids are sorted, [0, S) otherwise).
+  //! query whose id is kv_seg[b, j]. A span with lo >= 0 is exact: every position inside holds
+  //! the id (Python computes it with searchsorted where the partner ids are sorted); lo = -1
+  //! marks the whole axis, not exact (ids not sorted), to be read as lo = 0.
   Operand q_segment_ids, kv_segment_ids, kv_span, q_span;
   Operand out;
   Operand lse;  //!< float32 (float64 for float64 problems); -inf where a row sees no key

@@ -409,8 +409,9 @@ inline void QueryRange(const AttentionOptions& o, int64_t j_begin, int64_t j_end
 
 //! Segment ids: narrows [*lo, *hi) to the union of the spans (a kv_span or q_span operand) of
 //! the rows [begin, end) of batch item b, i.e. to the keys (queries) that may share a segment
-//! with one of those queries (keys). Spans are clipped to [*lo, *hi), empty ones ignored; the
-//! range becomes empty when no span meets it. Nothing changes when `spans` is absent.
+//! with one of those queries (keys). Spans are clipped to [*lo, *hi) (an inexact lo = -1 with
+//! them), empty ones ignored; the range becomes empty when no span meets it. Nothing changes
+//! when `spans` is absent.
 inline void IntersectSpans(const Operand& spans, const BatchShape& batch, int64_t b,
                            int64_t begin, int64_t end, int64_t* lo, int64_t* hi) {
   if (!spans.present() || *lo >= *hi) return;

@@ -5,11 +5,13 @@
            passes, so the backward visits exactly the pairs the forward summed.
 
     Key j is visible to query i iff i < q_len, j < kv_len, and, where bounded,
-    i - window_left <= j <= i + window_right (causal: window_right == 0).
+    i - window_left <= j <= i + window_right (causal: window_right == 0); with segment ids,
+    also q_ids[i] == kv_ids[j], which SegmentReach bounds by the ids' spans.
 */
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cute/config.hpp>
 #include <cute/numeric/math.hpp>
@@ -24,6 +26,69 @@ struct BlockSpan {
   int32_t end;
   CUTE_HOST_DEVICE bool empty() const { return end <= begin; }
 };
+
+//! Segment ids seen from one tile, over its own positions [begin, end) of one batch item (queries
+//! in the forward, keys in the backward): the partners that share a segment with some of them
+//! (the union of their spans: blocks outside it are skipped) and those that share it with every
+//! one of them (the intersection: blocks inside it need no per-element test). Without segment
+//! ids, every partner is in both.
+struct SegmentReach {
+  int32_t some_begin = 0, some_end = INT32_MAX;
+  int32_t every_begin = 0, every_end = INT32_MAX;
+  bool exact = true;  //!< every span exact: a row's partners in its span all share its id
+
+  //! From the spans (own positions x [lo, hi)) of one batch item, over the own positions
+  //! [begin, end), at most kPositions of them. A collective of the whole warp, each lane
+  //! reading every 32nd position (all loads in flight together); every lane returns the same
+  //! reach. An empty span leaves the intersection empty; an inexact one (lo < 0) counts as the
+  //! whole axis and leaves the intersection empty.
+  template <int kPositions>
+  CUTE_DEVICE static SegmentReach of(const int32_t* spans, int32_t begin, int32_t end) {
+    int32_t some_begin = INT32_MAX, some_end = INT32_MIN;
+    int32_t every_begin = INT32_MIN, every_end = INT32_MAX;
+    bool exact = true;
+    CUTE_UNROLL
+    for (int k = 0; k < (kPositions + 31) / 32; ++k) {
+      const int32_t i = begin + int32_t(threadIdx.x % 32) + 32 * k;
+      if (i >= end) continue;
+      const int2 span = *reinterpret_cast<const int2*>(spans + 2 * int64_t(i));
+      const int32_t lo = max(span.x, 0);
+      if (lo < span.y) {
+        some_begin = min(some_begin, lo);
+        some_end = max(some_end, span.y);
+      }
+      exact &= span.x >= 0;
+      every_begin = max(every_begin, span.x < 0 ? INT32_MAX : lo);
+      every_end = min(every_end, span.y);
+    }
+    constexpr unsigned kWarp = 0xffffffffu;
+    return {__reduce_min_sync(kWarp, some_begin), __reduce_max_sync(kWarp, some_end),
+            __reduce_max_sync(kWarp, every_begin), __reduce_min_sync(kWarp, every_end),
+            bool(__all_sync(kWarp, exact))};
+  }
+
+  //! The blocks of `blocks` (kPartner positions each) that hold a partner of some own position.
+  template <int kPartner>
+  CUTE_DEVICE BlockSpan narrow(BlockSpan blocks) const {
+    if (some_end <= some_begin) return {0, 0};
+    return {max(blocks.begin, some_begin / kPartner),
+            min(blocks.end, (some_end + kPartner - 1) / kPartner)};
+  }
+
+  //! Whether every partner in [begin, end) shares the segment of every own position.
+  CUTE_DEVICE bool every_covers(int32_t begin, int32_t end) const {
+    return begin >= every_begin && end <= every_end;
+  }
+};
+
+//! The reach of a tile without segment ids: every partner, known at compile time.
+struct NoSegmentReach {
+  static constexpr bool exact = true;
+  CUTE_DEVICE static constexpr bool every_covers(int32_t, int32_t) { return true; }
+};
+
+template <bool kSegments>
+using SegmentReachOf = std::conditional_t<kSegments, SegmentReach, NoSegmentReach>;
 
 template <int kBlockM, int kBlockN>
 struct BlockRange {

@@ -15,8 +15,24 @@ namespace {
 bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 //! What both passes require of the problem and of the buffers they read and write.
+//! Segment ids and spans as the kernels read them: dense rows per batch item, the spans as
+//! 8-byte (lo, hi) pairs.
+bool DenseSegmentOperands(const ForwardParams& p) {
+  for (const Operand* ids : {&p.q_segment_ids, &p.kv_segment_ids}) {
+    if (ids->stride[0] != 1) return false;
+  }
+  for (const Operand* spans : {&p.kv_span, &p.q_span}) {
+    if (spans->stride[0] != 2 || spans->stride[1] != 1 ||
+        reinterpret_cast<uintptr_t>(spans->data) % 8 != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
 Status CheckProblem(const ForwardParams& p, const char* pass, bool takes_bias, bool takes_mask,
-                    int max_head_dim, std::initializer_list<const Operand*> tensors) {
+                    bool takes_segment_ids, int max_head_dim,
+                    std::initializer_list<const Operand*> tensors) {
   const AttentionShape& s = p.shape;
   if (s.dtype != ElementType::kBFloat16 && s.dtype != ElementType::kFloat16) {
     return Status::InvalidArgument(
@@ -28,10 +44,19 @@ Status CheckProblem(const ForwardParams& p, const char* pass, bool takes_bias, b
                                    " kernel takes no bias or mask arrays (jax_flash routes those "
                                    "calls to its blockwise path)");
   }
-  if (p.q_segment_ids.present() || p.kv_segment_ids.present() || p.kv_span.present() ||
-      p.q_span.present()) {
-    return Status::InvalidArgument("jax_flash: the Hopper kernels take no segment ids; jax_flash "
-                                   "routes those calls to its blockwise path");
+  const bool segments = p.q_segment_ids.present();
+  if (segments != p.kv_segment_ids.present() || segments != p.kv_span.present() ||
+      segments != p.q_span.present()) {
+    return Status::InvalidArgument("jax_flash: segment ids and their spans come together");
+  }
+  if (segments && !takes_segment_ids) {
+    return Status::InvalidArgument(std::string("jax_flash: the Hopper ") + pass +
+                                   " kernel takes no segment ids (jax_flash routes those calls "
+                                   "to its blockwise path)");
+  }
+  if (segments && !DenseSegmentOperands(p)) {
+    return Status::InvalidArgument("jax_flash: the Hopper kernels need dense segment ids and "
+                                   "spans, the spans 8-byte aligned");
   }
   if (s.head_dim % kHeadDimMultiple != 0 || s.head_dim > max_head_dim) {
     return Status::InvalidArgument("jax_flash: head dim " + std::to_string(s.head_dim) +
@@ -55,7 +80,8 @@ Status CheckProblem(const ForwardParams& p, const char* pass, bool takes_bias, b
 
 Status CheckBackward(const BackwardParams& p) {
   const ForwardParams& f = p.fwd;
-  return CheckProblem(f, "backward", kBackwardTakesBias, kBackwardTakesMask, kBackwardMaxHeadDim,
+  return CheckProblem(f, "backward", kBackwardTakesBias, kBackwardTakesMask,
+                      kBackwardTakesSegmentIds, kBackwardMaxHeadDim,
                       {&f.q, &f.k, &f.v, &f.out, &p.dout, &p.dq, &p.dk, &p.dv});
 }
 
@@ -99,7 +125,8 @@ BackwardWorkspaceLayout MakeBackwardLayout(const AttentionShape& s, int64_t bloc
 
 Status RunForward(const ForwardParams& params, const LaunchContext& context) {
   Status status = CheckProblem(params, "forward", kForwardTakesBias, kForwardTakesMask,
-                               kForwardMaxHeadDim, {&params.q, &params.k, &params.v, &params.out});
+                               kForwardTakesSegmentIds, kForwardMaxHeadDim,
+                               {&params.q, &params.k, &params.v, &params.out});
   if (!status.ok()) return status;
   const int64_t head_dim = params.shape.head_dim;
   // Tiles are listed by ascending head dim: the first that covers the problem runs it.

@@ -85,25 +85,33 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   StaticPersistentScheduler scheduler(params.scheduler);
   if (is_producer) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
-    if (threadIdx.x != 0) return;  // one thread issues every TMA load
+    // One thread issues every TMA load; with segment ids its whole warp builds each tile's
+    // TileInfo (a warp collective).
+    if (threadIdx.x >= (Traits::kSegments ? 32 : 1)) return;
+    const bool loader = threadIdx.x == 0;
     PipelineState write_state = cutlass::make_producer_start_state<PipelineKV>();
     uint32_t q_empty_phase = 1;  // the first wait on a fresh barrier passes
     for (; scheduler.valid(); scheduler.advance()) {
       const TileInfo info(params.problem, scheduler.coord());
-      mainloop_storage.q_empty.wait(q_empty_phase);
-      q_empty_phase ^= 1;
-      if (!info.empty()) {
-        Mainloop::load(params.mainloop, params.problem, mainloop_storage, pipeline_k, pipeline_v,
-                       write_state, info);
-      } else {
-        // Nothing to load, but the Q handshake still takes its turn: consumers that freed Q
-        // for several empty tiles in a row would otherwise complete q_empty phases the
-        // producer has not waited for yet, and its parity wait would then never return.
-        mainloop_storage.q_full.arrive();
+      if (loader) {
+        mainloop_storage.q_empty.wait(q_empty_phase);
+        if (!info.empty()) {
+          Mainloop::load(params.mainloop, params.problem, mainloop_storage, pipeline_k,
+                         pipeline_v, write_state, info);
+        } else {
+          // Nothing to load, but the Q handshake still takes its turn: consumers that freed Q
+          // for several empty tiles in a row would otherwise complete q_empty phases the
+          // producer has not waited for yet, and its parity wait would then never return.
+          mainloop_storage.q_full.arrive();
+        }
       }
+      q_empty_phase ^= 1;
+      if constexpr (Traits::kSegments) __syncwarp();
     }
-    pipeline_k.producer_tail(write_state);
-    pipeline_v.producer_tail(write_state);
+    if (loader) {
+      pipeline_k.producer_tail(write_state);
+      pipeline_v.producer_tail(write_state);
+    }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
     const int thread_idx = threadIdx.x - kThreadsPerWarpGroup;

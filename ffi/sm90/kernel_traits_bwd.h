@@ -27,13 +27,15 @@ namespace jax_flash::sm90 {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_, bool kSoftcap_>
+template <class Element_, int kHeadDim_, bool kSoftcap_, bool kSegments_>
 struct BackwardKernelTraits {
   using Element = Element_;
   using Tile = BackwardTileConfig<kHeadDim_>;
 
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kSoftcap = kSoftcap_;  //!< logits are soft-capped (softcap.h)
+  //! Segment ids (packed sequences) narrow the blocks visited and mask by id.
+  static constexpr bool kSegments = kSegments_;
   static constexpr int kBlockM = Tile::kBlockM;  //!< queries per step
   static constexpr int kBlockN = Tile::kBlockN;  //!< keys per CTA
   static constexpr int kStagesQ = Tile::kStagesQ;

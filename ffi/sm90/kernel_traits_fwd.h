@@ -17,13 +17,15 @@ namespace jax_flash::sm90 {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_, bool kSoftcap_>
+template <class Element_, int kHeadDim_, bool kSoftcap_, bool kSegments_>
 struct ForwardKernelTraits {
   using Element = Element_;
   using Tile = ForwardTileConfig<kHeadDim_>;
 
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kSoftcap = kSoftcap_;  //!< logits are soft-capped (softcap.h)
+  //! Segment ids (packed sequences) narrow the blocks visited and mask by id.
+  static constexpr bool kSegments = kSegments_;
   static constexpr int kBlockM = Tile::kBlockM;
   static constexpr int kBlockN = Tile::kBlockN;
   static constexpr int kStages = Tile::kStages;

@@ -51,13 +51,17 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
   kp.problem = make_problem(f);
   typename Kernel::Mainloop::Arguments mainloop;
   BackwardPreprocessParams<Element> pre;
+  SegmentIds& segments = kp.problem.segments;
   coalesce_batch(s.batch,
                  {&f.q.batch, &f.k.batch, &f.v.batch, &p.dout.batch, &f.out.batch, &f.lse.batch,
-                  &p.dlse.batch, &f.q_seqlens.batch, &f.kv_seqlens.batch},
+                  &p.dlse.batch, &f.q_seqlens.batch, &f.kv_seqlens.batch,
+                  &f.q_segment_ids.batch, &f.kv_segment_ids.batch, &f.q_span.batch},
                  &kp.problem.batch,
                  {&mainloop.q_batch, &mainloop.k_batch, &mainloop.v_batch, &mainloop.dout_batch,
                   &pre.out_batch, &pre.lse_batch, &pre.dlse_batch, &kp.problem.q_seqlens_batch,
-                  &kp.problem.kv_seqlens_batch});
+                  &kp.problem.kv_seqlens_batch, &segments.q_ids.batch, &segments.kv_ids.batch,
+                  &segments.q_span.batch});
+  segments.backward_skips_blocks = !p.deterministic;
   pre.dout_batch = mainloop.dout_batch;
 
   char* base = static_cast<char*>(workspace);
@@ -155,16 +159,14 @@ template <ElementType kDtype, int kTileHeadDim>
 Status RunBackwardTile(const BackwardParams& params, const BackwardWorkspaceLayout& layout,
                        void* workspace, const LaunchContext& context) {
   using Element = typename CutlassElement<kDtype>::type;
-  if (params.fwd.options.softcap > 0) {
-    if constexpr (kBackwardTakesSoftcap) {
-      static_assert(!kBackwardTakesBias,
-                    "softcap.h recovers tanh from P and the lse, which a bias would shift");
-      return launch_backward<BackwardKernelTraits<Element, kTileHeadDim, true>>(
-          params, layout, workspace, context);
-    }
-  }
-  return launch_backward<BackwardKernelTraits<Element, kTileHeadDim, false>>(params, layout,
-                                                                             workspace, context);
+  static_assert(!(kBackwardTakesSoftcap && kBackwardTakesBias),
+                "softcap.h recovers tanh from P and the lse, which a bias would shift");
+  return with_features<kBackwardTakesSoftcap, kBackwardTakesSegmentIds>(
+      params.fwd, [&](auto softcap, auto segments) {
+        return launch_backward<BackwardKernelTraits<Element, kTileHeadDim, decltype(softcap)::value,
+                                                decltype(segments)::value>>(
+            params, layout, workspace, context);
+      });
 }
 
 }  // namespace jax_flash::sm90

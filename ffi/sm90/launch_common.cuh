@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include <cuda_runtime_api.h>
 
@@ -66,7 +67,8 @@ void coalesce_batch(const BatchShape& shape, const BatchMap* const (&maps)[kOper
   }
 }
 
-//! The problem's sizes and visibility rule; the batch axes are filled by coalesce_batch.
+//! The problem's sizes, visibility rule and segment ids; the batch axes (of the problem and of
+//! each per-item array) are filled by coalesce_batch.
 inline AttentionProblem make_problem(const ForwardParams& p) {
   const AttentionShape& s = p.shape;
   AttentionProblem problem;
@@ -78,6 +80,16 @@ inline AttentionProblem make_problem(const ForwardParams& p) {
   problem.window_right = int32_t(p.options.window_right);
   problem.q_seqlens = static_cast<const int32_t*>(p.q_seqlens.data);
   problem.kv_seqlens = static_cast<const int32_t*>(p.kv_seqlens.data);
+  auto rows = [](const Operand& op) {
+    ItemRows rows;
+    rows.data = static_cast<const int32_t*>(op.data);
+    rows.item_stride = op.batch_stride;
+    return rows;
+  };
+  problem.segments.q_ids = rows(p.q_segment_ids);
+  problem.segments.kv_ids = rows(p.kv_segment_ids);
+  problem.segments.kv_span = rows(p.kv_span);
+  problem.segments.q_span = rows(p.q_span);
   return problem;
 }
 
@@ -140,6 +152,23 @@ inline Status make_schedule(int64_t num_blocks, int64_t num_heads, int64_t num_h
   }
   sched->heads_per_section = int32_t(std::clamp<int64_t>(heads_per_section, 1, num_heads_total));
   return Status::Ok();
+}
+
+//! Calls launch(softcap, segments) with the compile-time features the call uses, each an
+//! std::bool_constant: a kernel is instantiated for every combination the pass takes
+//! (kTakesSoftcap, kTakesSegments from kernel_configs.json; dispatch rejects the others).
+template <bool kTakesSoftcap, bool kTakesSegments, class Launch>
+Status with_features(const ForwardParams& p, Launch&& launch) {
+  auto with_segments = [&](auto softcap) {
+    if constexpr (kTakesSegments) {
+      if (p.q_segment_ids.present()) return launch(softcap, std::true_type{});
+    }
+    return launch(softcap, std::false_type{});
+  };
+  if constexpr (kTakesSoftcap) {
+    if (p.options.softcap > 0) return with_segments(std::true_type{});
+  }
+  return with_segments(std::false_type{});
 }
 
 //! Raises the kernel's dynamic shared memory limit and launches it on the context's stream.

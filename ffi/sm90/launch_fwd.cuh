@@ -25,9 +25,14 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
 
   kp.problem = make_problem(p);
   typename Kernel::Mainloop::Arguments mainloop;
-  coalesce_batch(s.batch, {&p.q.batch, &p.k.batch, &p.v.batch, &p.q_seqlens.batch, &p.kv_seqlens.batch},
-                 &kp.problem.batch, {&mainloop.q_batch, &mainloop.k_batch, &mainloop.v_batch,
-                                     &kp.problem.q_seqlens_batch, &kp.problem.kv_seqlens_batch});
+  SegmentIds& segments = kp.problem.segments;
+  coalesce_batch(s.batch,
+                 {&p.q.batch, &p.k.batch, &p.v.batch, &p.q_seqlens.batch, &p.kv_seqlens.batch,
+                  &p.q_segment_ids.batch, &p.kv_segment_ids.batch, &p.kv_span.batch},
+                 &kp.problem.batch,
+                 {&mainloop.q_batch, &mainloop.k_batch, &mainloop.v_batch,
+                  &kp.problem.q_seqlens_batch, &kp.problem.kv_seqlens_batch,
+                  &segments.q_ids.batch, &segments.kv_ids.batch, &segments.kv_span.batch});
   mainloop.q = sequence_tensor<Element>(p.q, s.seqlen_q, s.num_heads, s.head_dim, s.batch);
   mainloop.k = sequence_tensor<Element>(p.k, s.seqlen_k, s.num_kv_heads, s.head_dim, s.batch);
   mainloop.v = sequence_tensor<Element>(p.v, s.seqlen_k, s.num_kv_heads, s.head_dim, s.batch);
@@ -44,12 +49,18 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   const int64_t num_heads_total = s.num_heads * s.batch.count();
   if (num_m_blocks * num_heads_total == 0) return Status::Ok();
   // A window (causal) makes later query blocks see more keys: schedule them first, over
-  // sections long enough to balance. Every query block of a head reads all its K and V.
+  // sections long enough to balance. Every query block of a head reads all its K and V; with
+  // segment ids (packed sequences) only those of its own segments, which the blocks of one
+  // head share with their neighbours: a round then covers whole heads (so its blocks read
+  // K and V together from L2), and the lengths of the blocks follow the segments, not their
+  // position, so longest-first needs no long sections.
   const bool windowed = p.options.window_left >= 0 || p.options.window_right >= 0;
+  const bool packed = p.q_segment_ids.present();
   const int64_t kv_bytes_per_head = 2 * s.seqlen_k * s.head_dim * int64_t(sizeof(Element));
   Status status = make_schedule(num_m_blocks, s.num_heads, num_heads_total, kv_bytes_per_head,
-                                /*heads_within_a_wave=*/false, /*reverse_blocks=*/windowed,
-                                /*balance_sections=*/windowed, context, "forward", &kp.scheduler);
+                                /*heads_within_a_wave=*/packed, /*reverse_blocks=*/windowed,
+                                /*balance_sections=*/windowed && !packed, context, "forward",
+                                &kp.scheduler);
   if (!status.ok()) return status;
 
   const int grid = std::min(kp.scheduler.num_tiles, context.sm_count);
@@ -60,12 +71,12 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
 template <ElementType kDtype, int kTileHeadDim>
 Status RunForwardTile(const ForwardParams& params, const LaunchContext& context) {
   using Element = typename CutlassElement<kDtype>::type;
-  if (params.options.softcap > 0) {
-    if constexpr (kForwardTakesSoftcap) {
-      return launch_forward<ForwardKernelTraits<Element, kTileHeadDim, true>>(params, context);
-    }
-  }
-  return launch_forward<ForwardKernelTraits<Element, kTileHeadDim, false>>(params, context);
+  return with_features<kForwardTakesSoftcap, kForwardTakesSegmentIds>(
+      params, [&](auto softcap, auto segments) {
+        return launch_forward<ForwardKernelTraits<Element, kTileHeadDim, decltype(softcap)::value,
+                                                decltype(segments)::value>>(
+            params, context);
+      });
 }
 
 }  // namespace jax_flash::sm90

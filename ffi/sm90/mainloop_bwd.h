@@ -11,6 +11,8 @@
     head of the group in turn, so grouped heads need no atomics for dK/dV. Every CTA adds its dQ
     partial sums into an fp32 accumulator in global memory with bulk reductions issued by a
     producer warp; when dq_semaphore is set, the CTAs of a query block add in a fixed order.
+    With segment ids a CTA visits only the query blocks its keys' segments reach, except under
+    that fixed order, whose turns count every key block the window lets see a query block.
 */
 #pragma once
 
@@ -135,14 +137,24 @@ struct BackwardMainloop {
     typename PipelineDo::SharedStorage pipeline_do;
   };
 
-  //! What every role knows alike about one (key block, key/value head, batch) tile.
+  //! What every role knows alike about one (key block, key/value head, batch) tile. Built by
+  //! every thread (with segment ids, the keys' spans are reduced by a warp collective).
   struct TileInfo {
     TileCoord coord;  //!< block: key block; head: key/value head
     SeqLengths lens;
-    BlockSpan queries;  //!< query blocks that see some key of the block
+    BlockSpan queries;      //!< query blocks that see some key of the block
+    SegmentReachOf<Traits::kSegments> segments;  //!< queries sharing a segment with some / every key of the block
 
     CUTE_DEVICE TileInfo(AttentionProblem const& p, TileCoord const& c)
-        : coord(c), lens(p, c.batch), queries(Range::query_blocks(p, lens, c.block)) {}
+        : coord(c), lens(p, c.batch), queries(Range::query_blocks(p, lens, c.block)) {
+      if constexpr (Traits::kSegments) {
+        const int32_t n_start = c.block * kBlockN;
+        const int32_t n_end = min(n_start + kBlockN, lens.kv_len);
+        segments = SegmentReach::of<kBlockN>(p.segments.q_span.of(p.batch, c.batch), n_start,
+                                             n_end);
+        if (p.segments.backward_skips_blocks) queries = segments.template narrow<kBlockM>(queries);
+      }
+    }
     CUTE_DEVICE bool empty() const { return queries.empty(); }
     CUTE_DEVICE int32_t n_start() const { return coord.block * kBlockN; }
   };
@@ -387,9 +399,23 @@ struct BackwardMainloop {
       // S^T capped and masked as in the forward.
       Tensor s = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
       if constexpr (Traits::kSoftcap) params.softcap.apply(s);
-      if (Range::needs_mask</*kMaskQueryTail=*/true>(problem, info.lens, m_block,
-                                                      info.coord.block)) {
-        mask.apply(s, visibility, info.n_start(), m_block * kBlockM);
+      const int m_start = m_block * kBlockM;
+      const bool segments_cut =
+          Traits::kSegments &&
+          !info.segments.every_covers(m_start, min(m_start + kBlockM, info.lens.q_len));
+      if (segments_cut || Range::needs_mask</*kMaskQueryTail=*/true>(problem, info.lens, m_block,
+                                                                      info.coord.block)) {
+        SegmentIds const& ids = problem.segments;
+        const int32_t* row_spans = segments_cut && info.segments.exact
+                                       ? ids.q_span.of(problem.batch, info.coord.batch)
+                                       : nullptr;
+        mask.apply(s, visibility, info.n_start(), m_start, row_spans);
+        if (segments_cut && !info.segments.exact) {
+          mask.apply_segment_ids(s, ids.kv_ids.of(problem.batch, info.coord.batch),
+                                 info.n_start(), problem.seqlen_k,
+                                 ids.q_ids.of(problem.batch, info.coord.batch), m_start,
+                                 problem.seqlen_q);
+        }
       }
       const auto lse_column = column_values(storage.lse.data() + read_q.index() * kBlockM);
       CUTE_UNROLL

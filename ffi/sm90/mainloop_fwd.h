@@ -1,7 +1,8 @@
 /*! \file mainloop_fwd.h
     \brief The forward mainloop collective: its arguments, parameters (TMA descriptors) and
            shared storage; the producer's TMA loads of Q and of the K/V pipeline; the consumers'
-           QK^T -> soft-cap (optional) -> mask -> online softmax -> PV sequence.
+           QK^T -> soft-cap (optional) -> mask -> online softmax -> PV sequence. With segment
+           ids, a tile visits only the key blocks its rows' segments reach.
 
     Consumers overlap within a warpgroup: while the softmax of key block j runs, the wgmma of
     P_{j+1} V_{j+1} (issued just before) proceeds on the tensor cores. Across warpgroups they
@@ -84,14 +85,24 @@ struct ForwardMainloop {
     typename PipelineKV::SharedStorage pipeline_v;
   };
 
-  //! What producer and consumers know alike about one (query block, head, batch) tile.
+  //! What producer and consumers know alike about one (query block, head, batch) tile. Built
+  //! by whole warps (with segment ids, the rows' spans are reduced by a warp collective).
   struct TileInfo {
     TileCoord coord;
     SeqLengths lens;
-    BlockSpan keys;  //!< key blocks that may hold visible keys
+    BlockSpan keys;           //!< key blocks that may hold visible keys
+    SegmentReachOf<Traits::kSegments> segments;  //!< keys sharing a segment with some / every row of the tile
 
     CUTE_DEVICE TileInfo(AttentionProblem const& p, TileCoord const& c)
-        : coord(c), lens(p, c.batch), keys(Range::key_blocks(p, lens, c.block)) {}
+        : coord(c), lens(p, c.batch), keys(Range::key_blocks(p, lens, c.block)) {
+      if constexpr (Traits::kSegments) {
+        const int32_t m_start = c.block * Traits::kBlockM;
+        const int32_t m_end = min(m_start + Traits::kBlockM, lens.q_len);
+        segments = SegmentReach::of<Traits::kBlockM>(p.segments.kv_span.of(p.batch, c.batch),
+                                                     m_start, m_end);
+        keys = segments.template narrow<Traits::kBlockN>(keys);
+      }
+    }
     CUTE_DEVICE bool empty() const { return keys.empty(); }
     CUTE_DEVICE int32_t m_start() const { return coord.block * Traits::kBlockM; }
   };
@@ -226,9 +237,23 @@ struct ForwardMainloop {
     // The cap comes before masking: masked logits must end at -inf.
     auto cap_and_mask = [&](int n_block) {
       if constexpr (Traits::kSoftcap) params.softcap.apply(s);
-      if (Range::needs_mask</*kMaskQueryTail=*/false>(problem, info.lens, info.coord.block,
-                                                       n_block)) {
-        mask.apply(s, visibility, info.m_start(), n_block * Traits::kBlockN);
+      const int n_start = n_block * Traits::kBlockN;
+      const bool segments_cut =
+          Traits::kSegments &&
+          !info.segments.every_covers(n_start, min(n_start + Traits::kBlockN, info.lens.kv_len));
+      if (segments_cut || Range::needs_mask</*kMaskQueryTail=*/false>(problem, info.lens,
+                                                                       info.coord.block, n_block)) {
+        SegmentIds const& ids = problem.segments;
+        const int32_t* row_spans = segments_cut && info.segments.exact
+                                       ? ids.kv_span.of(problem.batch, info.coord.batch)
+                                       : nullptr;
+        mask.apply(s, visibility, info.m_start(), n_start, row_spans);
+        if (segments_cut && !info.segments.exact) {
+          mask.apply_segment_ids(s, ids.q_ids.of(problem.batch, info.coord.batch),
+                                 info.m_start(), problem.seqlen_q,
+                                 ids.kv_ids.of(problem.batch, info.coord.batch), n_start,
+                                 problem.seqlen_k);
+        }
       }
     };
     auto issue_qk = [&](PipelineState const& state) {

@@ -1,7 +1,8 @@
 /*! \file mask.h
     \brief Per-element masking of one logits block held in WGMMA accumulators, in either operand
-           orientation: rows are queries (forward, S = Q K^T) or keys (backward, S^T = K Q^T).
-           Invisible pairs become -inf, so their probabilities are exactly 0.
+           orientation: rows are queries (forward, S = Q K^T) or keys (backward, S^T = K Q^T):
+           by lengths and windows, and by segment ids. Invisible pairs become -inf, so their
+           probabilities are exactly 0.
 */
 #pragma once
 
@@ -39,10 +40,11 @@ struct BlockMask {
   CUTE_DEVICE explicit BlockMask(int thread_idx_) : thread_idx(thread_idx_) {}
 
   //! Masks the rowcol view `s` of the block whose first row and column are row_start and
-  //! col_start.
+  //! col_start. With `row_spans` (the batch item's exact segment spans along the rows, see
+  //! attention_params.h), also the columns outside each row's span: they hold other ids.
   template <class TensorS>
-  CUTE_DEVICE void apply(TensorS& s, RowVisibility const& vis, int row_start,
-                         int col_start) const {
+  CUTE_DEVICE void apply(TensorS& s, RowVisibility const& vis, int row_start, int col_start,
+                         const int32_t* row_spans = nullptr) const {
     // Block-relative (row, col) of every element this thread holds; folds to constants plus
     // the thread's offset.
     auto tScS = TiledMma{}.get_thread_slice(thread_idx).partition_C(
@@ -60,10 +62,48 @@ struct BlockMask {
       int col_end = row < vis.row_limit ? col_limit : 0;  // a row past its limit sees nothing
       if (vis.upper >= 0) col_end = min(col_end, row + vis.upper + 1 - col_offset);
       if (vis.lower >= 0) col_begin = row - vis.lower - col_offset;
+      if (row_spans != nullptr && row < vis.row_limit) {
+        const int2 span = *reinterpret_cast<const int2*>(row_spans + 2 * row);
+        col_begin = max(col_begin, span.x - col_offset);
+        col_end = min(col_end, span.y - col_offset);
+      }
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
         const int col_step = get<1>(coords(0, c)) - thread_col;  // a constant after folding
         if (col_step < col_begin || col_step >= col_end) s(r, c) = -INFINITY;
+      }
+    }
+  }
+
+  //! Masks the pairs of the block whose segment ids differ, comparing them pair by pair: for
+  //! spans that are not exact (ids not ordered; exact ones go through `apply`). row_ids and
+  //! col_ids are the batch item's ids along each axis, read below row_limit and col_limit
+  //! (the sequence extents; positions past them are masked by `apply`'s lengths).
+  template <class TensorS>
+  CUTE_DEVICE void apply_segment_ids(TensorS& s, const int32_t* row_ids, int row_start,
+                                     int row_limit, const int32_t* col_ids, int col_start,
+                                     int col_limit) const {
+    auto tScS = TiledMma{}.get_thread_slice(thread_idx).partition_C(
+        make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
+    auto coords = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
+    constexpr int kThreadRows = decltype(size<0>(s))::value;
+    int32_t row_id[kThreadRows];
+    CUTE_UNROLL
+    for (int r = 0; r < kThreadRows; ++r) {
+      const int row = row_start + get<0>(coords(r, 0));
+      row_id[r] = row < row_limit ? __ldg(row_ids + row) : 0;
+    }
+    // Column ids a few at a time: the compiler barrier keeps it from loading all of them ahead
+    // (a register each) while the block's accumulators are live.
+    constexpr int kColumnsPerGroup = 4;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(s); ++c) {
+      if (c % kColumnsPerGroup == 0) asm volatile("" ::: "memory");
+      const int col = col_start + get<1>(coords(0, c));
+      const int32_t col_id = col < col_limit ? __ldg(col_ids + col) : 0;
+      CUTE_UNROLL
+      for (int r = 0; r < kThreadRows; ++r) {
+        if (row_id[r] != col_id) s(r, c) = -INFINITY;
       }
     }
   }

@@ -36,8 +36,33 @@ struct DeviceBatchMap {
   }
 };
 
+//! An int32 array with one row per batch item of an operand (segment ids, their spans).
+struct ItemRows {
+  const int32_t* data = nullptr;
+  int64_t item_stride = 0;  //!< elements between consecutive own batch items
+  DeviceBatchMap batch;
+
+  CUTE_HOST_DEVICE const int32_t* of(DeviceBatch const& problem_batch, int32_t b) const {
+    return data + int64_t(batch(problem_batch, b)) * item_stride;
+  }
+};
+
+//! Packed sequences: query i sees key j only if q_ids[i] == kv_ids[j]. kv_span[i] = [lo, hi)
+//! holds every key with query i's id and q_span[j] every query with key j's id; lo < 0 marks
+//! a span that is the whole axis and not exact (ids not ordered), see attention_params.h.
+struct SegmentIds {
+  ItemRows q_ids, kv_ids;    //!< (items, seqlen_q) and (items, seqlen_k)
+  ItemRows kv_span, q_span;  //!< (items, seqlen_q, 2) and (items, seqlen_k, 2)
+  //! The backward skips the query blocks outside its key blocks' spans. Off for the ordered
+  //! (deterministic) dQ reduction, whose turns count every key block the window lets see a
+  //! query block: skipping there would leave turns that no CTA takes.
+  bool backward_skips_blocks = true;
+
+  CUTE_HOST_DEVICE bool present() const { return q_ids.data != nullptr; }
+};
+
 //! The runtime scalars of an attention problem that every pass needs: sizes, the visibility
-//! rule (window; causal is window_right == 0) and the optional per-item lengths.
+//! rule (window; causal is window_right == 0), the optional per-item lengths and segment ids.
 struct AttentionProblem {
   int32_t seqlen_q = 0;
   int32_t seqlen_k = 0;
@@ -49,6 +74,7 @@ struct AttentionProblem {
   DeviceBatchMap q_seqlens_batch, kv_seqlens_batch;
   const int32_t* q_seqlens = nullptr;
   const int32_t* kv_seqlens = nullptr;
+  SegmentIds segments;
 };
 
 //! Query and key lengths of one batch item: query rows at or past q_len are padding, keys at or

@@ -1,0 +1,255 @@
+"""Packed sequences: D documents of L tokens packed in one row (segment ids) against the same
+documents as a batch of D, causal within each document.
+
+For each head dim and mode, times in one process:
+
+  batched        jax_flash.dot_product_attention, B = D, T = S = L, is_causal
+  packed         the same documents in one row, B = 1, T = S = D * L, is_causal with
+                 query_segment_ids = key_value_segment_ids = the document index (sorted)
+  cudnn_batched  jax.nn.dot_product_attention(implementation='cudnn') on the batch   (GPU only)
+  cudnn_packed   jax.nn's cuDNN path on the packed row with the document mask as a dense
+                 (1, 1, T, S) boolean array, is_causal: what a jax.nn user packs with  (GPU only)
+
+Throughput counts the visible work only, the same for every implementation: the batch's
+FlashAttention FLOPs, 4 * D * N * L * L * H halved for causal, 3.5x for fwd_bwd. The table's
+`packed/batched` column is jax_flash's packed throughput over its batched one. Each packed
+output (and gradient) is checked against the batched one, reshaped: `max diff` is the largest
+absolute difference over jax_flash's packed row and the batch.
+
+Timing as in bench_attention.py: CUPTI device time per call on the GPU, median over
+--iterations; wall-clock on the CPU.
+
+  python bench/bench_packed.py                                    # GPU: H 64/128/256
+  python bench/bench_packed.py --platform cpu --docs 4 --doc-len 512 --heads 8 --head-dims 64
+
+Writes packed_<platform>.json and packed_<platform>.png under --out (default bench/out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_attention  # noqa: E402  (timing helpers shared with the main benchmark)
+
+IMPLS = ("batched", "packed", "cudnn_batched", "cudnn_packed")
+GPU_ONLY = ("cudnn_batched", "cudnn_packed")
+
+
+def visible_flops(D: int, L: int, N: int, H: int, mode: str) -> float:
+  return 4.0 * D * N * L * L * H * 0.5 * (3.5 if mode == "fwd_bwd" else 1.0)
+
+
+def build(impl: str, D: int, L: int, N: int, H: int, dtype: str, mode: str):
+  """(jitted function, arguments); the function returns the output (and with fwd_bwd the
+  gradients of q, k, v) in the batch's layout (D, L, N, H) so that every implementation can be
+  compared with the batched one."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import jax_flash
+
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  q, k, v, dout = (jax.random.normal(key, (D, L, N, H), dtype) for key in keys)
+  packed = impl in ("packed", "cudnn_packed")
+  ids = jnp.asarray(np.repeat(np.arange(D, dtype=np.int32), L)[None])
+
+  def to_row(x):
+    return x.reshape(1, D * L, N, H)
+
+  def to_batch(x):
+    return x.reshape(D, L, N, H)
+
+  if impl == "batched":
+    def attention(q, k, v):
+      return jax_flash.dot_product_attention(q, k, v, is_causal=True)
+  elif impl == "packed":
+    def attention(q, k, v):
+      return jax_flash.dot_product_attention(q, k, v, is_causal=True, query_segment_ids=ids,
+                                             key_value_segment_ids=ids)
+  elif impl == "cudnn_batched":
+    def attention(q, k, v):
+      return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+  elif impl == "cudnn_packed":
+    def attention(q, k, v):
+      mask = (ids[0][:, None] == ids[0][None, :])[None, None]
+      return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                          implementation="cudnn")
+  else:
+    raise ValueError(f"unknown implementation {impl!r}")
+
+  def in_layout(q, k, v):
+    if packed:
+      return to_batch(attention(to_row(q), to_row(k), to_row(v)))
+    return attention(q, k, v)
+
+  if mode == "fwd":
+    return jax.jit(in_layout), (q, k, v)
+
+  def fwd_bwd(q, k, v, dout):
+    out, vjp = jax.vjp(in_layout, q, k, v)
+    return (out, *vjp(dout))
+
+  return jax.jit(fwd_bwd), (q, k, v, dout)
+
+
+def run_cell(impl: str, H: int, mode: str, args, platform: str, reference) -> dict:
+  import jax
+  import jax.numpy as jnp
+
+  fn, inputs = build(impl, args.docs, args.doc_len, args.heads, H, args.dtype, mode)
+  compiled = fn.lower(*inputs).compile()
+  results = compiled(*inputs)
+  results = results if isinstance(results, tuple) else (results,)
+  record = {}
+  if reference is not None:
+    record["max_diff"] = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                             for a, b in zip(results, reference))
+  if platform == "gpu":
+    times, method = bench_attention.time_gpu(compiled, inputs, args.iterations, warmup=1)
+  else:
+    times, method = bench_attention.time_wall(compiled, inputs, args.iterations, warmup=1), "wall"
+  ms = statistics.median(times)
+  record.update(ms=ms, ms_min=min(times), timing=method,
+                flops_per_s=visible_flops(args.docs, args.doc_len, args.heads, H, mode) /
+                (ms * 1e-3))
+  jax.clear_caches()
+  return record, results
+
+
+def table(rows: list[dict], unit: str, scale: float) -> list[str]:
+  lines = [f"{'H':>4} {'mode':>7} {'impl':>14} | {'ms':>9} {unit:>8} {'packed/batched':>14} "
+           f"{'max diff':>9}"]
+  lines.append("-" * len(lines[0]))
+  for r in rows:
+    head = f"{r['H']:>4} {r['mode']:>7} {r['impl']:>14} | "
+    if r.get("error"):
+      lines.append(head + f"error: {r['error']}")
+      continue
+    ratio = r.get("packed_over_batched")
+    diff = r.get("max_diff")
+    lines.append(head + f"{r['ms']:>9.3f} {r['flops_per_s'] / scale:>8.1f} "
+                 f"{'' if ratio is None else f'{ratio:.3f}':>14} "
+                 f"{'' if diff is None else f'{diff:.2e}':>9}")
+  return lines
+
+
+def plot(data: dict, path: Path) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  meta = data["metadata"]
+  unit, scale = bench_attention.throughput_unit(meta["platform"])
+  modes = sorted({r["mode"] for r in data["results"]})
+  fig, axes = plt.subplots(1, len(modes), squeeze=False, figsize=(5.5 * len(modes), 4))
+  impls = [i for i in IMPLS if any(r["impl"] == i and not r.get("error")
+                                   for r in data["results"])]
+  head_dims = sorted({r["H"] for r in data["results"]})
+  width = 0.8 / max(len(impls), 1)
+  for ax, mode in zip(axes[0], modes):
+    for j, impl in enumerate(impls):
+      values = [next((r["flops_per_s"] / scale for r in data["results"]
+                      if r["impl"] == impl and r["mode"] == mode and r["H"] == H
+                      and not r.get("error")), 0.0) for H in head_dims]
+      ax.bar([i + j * width for i in range(len(head_dims))], values, width, label=impl)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(head_dims))])
+    ax.set_xticklabels([f"H={H}" for H in head_dims])
+    ax.set_title(mode)
+    ax.set_ylabel(f"{unit} (visible work)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.suptitle(f"packed rows | {meta['device_kind']} | {meta['docs']} documents x "
+               f"{meta['doc_len']} tokens, N={meta['heads']}, {meta['dtype']}, causal",
+               fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--platform", choices=("cpu", "gpu"), default=None)
+  p.add_argument("--docs", type=int, default=8)
+  p.add_argument("--doc-len", type=int, default=2048)
+  p.add_argument("--heads", type=int, default=16)
+  p.add_argument("--head-dims", default="64,128,256")
+  p.add_argument("--modes", default="fwd,fwd_bwd")
+  p.add_argument("--impls", default=None, help=f"comma list of {', '.join(IMPLS)} (default: all "
+                 "that run on the platform)")
+  p.add_argument("--dtype", default=None, help="default: bfloat16 on the GPU, float32 on the CPU")
+  p.add_argument("--iterations", type=int, default=10)
+  p.add_argument("--out", default=str(HERE / "out"))
+  return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  import jax
+
+  platform = bench_attention.select_platform(args.platform)
+  args.dtype = args.dtype or ("bfloat16" if platform == "gpu" else "float32")
+  impls = (args.impls.split(",") if args.impls else
+           [i for i in IMPLS if platform == "gpu" or i not in GPU_ONLY])
+  unknown = set(impls) - set(IMPLS)
+  if unknown:
+    raise SystemExit(f"unknown implementations: {', '.join(sorted(unknown))}")
+  if "batched" in impls:  # the reference of every other implementation
+    impls = ["batched"] + [i for i in impls if i != "batched"]
+  unit, scale = bench_attention.throughput_unit(platform)
+  print("\n".join(table([], unit, scale)), flush=True)
+  rows = []
+  for mode in args.modes.split(","):
+    for H in (int(h) for h in args.head_dims.split(",")):
+      reference = batched = None
+      for impl in impls:
+        row = {"H": H, "mode": mode, "impl": impl}
+        try:
+          record, results = run_cell(impl, H, mode, args, platform, reference)
+          row.update(record)
+          if impl == "batched":
+            reference, batched = results, record["flops_per_s"]
+          elif impl == "packed" and batched is not None:
+            row["packed_over_batched"] = record["flops_per_s"] / batched
+        except Exception as e:  # one failing cell (memory, say) must not end the run
+          row["error"] = bench_attention.short_reason(e)
+        rows.append(row)
+        print("\n".join(table([row], unit, scale)[2:]), flush=True)
+  data = {
+      "metadata": {
+          "platform": platform, "device_kind": jax.devices(platform)[0].device_kind,
+          "jax_version": jax.__version__,
+          "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+          "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+          "docs": args.docs, "doc_len": args.doc_len, "heads": args.heads, "dtype": args.dtype,
+          "iterations": args.iterations,
+          "flops": "visible work: 4*D*N*L*L*H halved (causal); fwd_bwd 3.5x forward",
+      },
+      "results": rows,
+  }
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  json_path = out / f"packed_{platform}.json"
+  json_path.write_text(json.dumps(data, indent=1))
+  print("\n".join(table(rows, unit, scale)))
+  print(f"wrote {json_path}")
+  try:
+    plot(data, out / f"packed_{platform}.png")
+    print(f"wrote {out / f'packed_{platform}.png'}")
+  except ImportError:
+    print("matplotlib not installed: no plot")
+  return data
+
+
+if __name__ == "__main__":
+  main()
