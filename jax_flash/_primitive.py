@@ -178,20 +178,37 @@ def _over_batch_axes(fn, operands, batch):
   return jax.vmap(inner, in_axes=in_axes)(*args)
 
 
-def _blockwise_forward(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
-  operands = (q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
+def _with_auto_axes(fn, operands):
+  """fn(*operands) with the explicit mesh axes of the operands' types (arrays, or pytrees of
+  them) made Auto inside.
 
+  Over a mesh with explicit axes a call's operands carry their shardings in their types, and
+  lax.platform_dependent traces the blockwise path on them whatever the platform: its
+  reshapes and updates of sharded axes would need their output shardings spelled out. Its
+  results are typed unsharded, as the FFI calls' results are. A partitioned call runs each
+  shard on local operands, which have no explicit axes: only the unpartitioned program changes.
+  """
+  meshes = (jax.typeof(x).sharding.mesh for x in jax.tree.leaves(operands))
+  mesh = next((m for m in meshes if m.explicit_axes), None)
+  if mesh is None:
+    return fn(*operands)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.sharding.auto_axes(fn, axes=mesh.explicit_axes, out_sharding=replicated)(*operands)
+
+
+def _blockwise_forward(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
   def canonical(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
     return _blockwise.forward(config, q, k, v, bias, mask, q_len, kv_len, q_seg=q_seg,
                               kv_seg=kv_seg)
 
-  return tuple(_over_batch_axes(canonical, operands, _batch_shape(*operands)))
+  def run(*operands):
+    return tuple(_over_batch_axes(canonical, operands, _batch_shape(*operands)))
+
+  return _with_auto_axes(run, (q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg))
 
 
 def _blockwise_backward(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg,
                         kv_seg):
-  operands = (q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg, kv_seg)
-
   def run(renormalize, operands):
     def canonical(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg, kv_seg):
       return _blockwise.backward(config, q, k, v, bias, mask, q_len, kv_len, out, lse, dout,
@@ -199,11 +216,15 @@ def _blockwise_backward(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len
 
     return tuple(_over_batch_axes(canonical, operands, _batch_shape(*operands)))
 
-  # Decided once for the whole call, outside the vmaps over batch axes (where a cond would turn
-  # into a select running both branches): the renormalisation pass runs only when some row
-  # needs it.
-  return lax.cond(_blockwise.needs_renormalization(lse), functools.partial(run, True),
-                  functools.partial(run, False), operands)
+  def call(lse, operands):
+    # Decided once for the whole call, outside the vmaps over batch axes (where a cond would
+    # turn into a select running both branches): the renormalisation pass runs only when some
+    # row needs it.
+    return lax.cond(_blockwise.needs_renormalization(lse), functools.partial(run, True),
+                    functools.partial(run, False), operands)
+
+  operands = (q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg, kv_seg)
+  return _with_auto_axes(call, (lse, operands))
 
 
 # --- platform routing --------------------------------------------------------------------------
