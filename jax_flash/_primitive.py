@@ -30,12 +30,15 @@ Layers, outermost first:
   custom_partitioning  `_sharding.partitioned`: under jit with sharded operands each device
                  runs the call on its shard (batch and head sharding; see _sharding.py).
   platform routing  `_forward_impl` / `_backward_impl`: the CPU runs both passes in the C++
-                 kernels. On CUDA the Hopper kernels run both passes; a call with a bias or
-                 mask array that a kernel does not read, with logit soft-capping that it
-                 does not apply, or with segment ids that it does not take (its "features"
-                 in kernel_configs.json), runs that pass through the blockwise JAX path
-                 instead (_blockwise.py, same semantics, O(T * block) memory). The platform
-                 is chosen per lowering (lax.platform_dependent), not at trace time.
+                 kernels. On CUDA the Hopper kernels run both passes of calls in the dtypes
+                 they list ("sm90" "dtypes" in kernel_configs.json). A call in another dtype
+                 (float32, or float64 with x64 enabled) runs both passes through the blockwise
+                 JAX path instead
+                 (_blockwise.py, same semantics, O(T * block) memory, float32 and float64
+                 matmuls at HIGHEST precision: no TF32), and so does a pass whose kernel does
+                 not read the call's bias or mask array, apply its logit soft-capping or take
+                 its segment ids (the kernel's "features"). The platform is chosen per
+                 lowering (lax.platform_dependent), not at trace time.
 
 All layers below the custom_vjp take operands with any number r >= 1 of leading batch axes
 (q (batch..., T, N, H), bias (batch..., N|1, T|1, S|1), lengths (batch...), segment ids
@@ -53,7 +56,7 @@ import numpy as np
 from jax import lax
 
 from . import _blockwise, _config, _extension, _ring, _sharding, _varying
-from ._validation import AttentionConfig
+from ._validation import AttentionConfig, gpu_kernels_run
 
 
 
@@ -240,10 +243,19 @@ def _on_gpu_kernel(kernel: _config.Kernel, kernel_call, blockwise_call, config, 
   return blockwise_call
 
 
+def _cuda_call(kernel: _config.Kernel, kernel_call, blockwise_call, config, q, bias, mask,
+               q_seg):
+  """The call a pass runs on CUDA: the blockwise one where the Hopper kernels do not take the
+  call's dtype, else as `_on_gpu_kernel` decides by its features."""
+  if not gpu_kernels_run(q.dtype):
+    return blockwise_call
+  return _on_gpu_kernel(kernel, kernel_call, blockwise_call, config, bias, mask, q_seg)
+
+
 def _forward_impl(spec: _sharding.CallSpec, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
   config = spec.config
-  cuda = _on_gpu_kernel(_config.SM90_FORWARD, functools.partial(_forward_call, config),
-                        functools.partial(_blockwise_forward, config), config, bias, mask, q_seg)
+  cuda = _cuda_call(_config.SM90_FORWARD, functools.partial(_forward_call, config),
+                    functools.partial(_blockwise_forward, config), config, q, bias, mask, q_seg)
   return tuple(lax.platform_dependent(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg,
                                       cpu=functools.partial(_forward_call, config), cuda=cuda))
 
@@ -251,10 +263,9 @@ def _forward_impl(spec: _sharding.CallSpec, q, k, v, bias, mask, q_len, kv_len, 
 def _backward_impl(spec: _sharding.CallSpec, q, k, v, out, lse, dout, dlse, bias, mask, q_len,
                    kv_len, q_seg, kv_seg):
   config = spec.config
-  cuda = _on_gpu_kernel(_config.SM90_BACKWARD,
-                        functools.partial(_backward_call, config, gpu_workspace=True),
-                        functools.partial(_blockwise_backward, config), config, bias, mask,
-                        q_seg)
+  cuda = _cuda_call(_config.SM90_BACKWARD,
+                    functools.partial(_backward_call, config, gpu_workspace=True),
+                    functools.partial(_blockwise_backward, config), config, q, bias, mask, q_seg)
   return tuple(lax.platform_dependent(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len,
                                       q_seg, kv_seg,
                                       cpu=functools.partial(_backward_call, config), cuda=cuda))
