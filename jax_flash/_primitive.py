@@ -32,8 +32,8 @@ Layers, outermost first:
   platform routing  `_forward_impl` / `_backward_impl`: the CPU runs both passes in the C++
                  kernels. On CUDA the Hopper kernels run both passes of calls in the dtypes
                  they list ("sm90" "dtypes" in kernel_configs.json). A call in another dtype
-                 (float32, or float64 with x64 enabled) runs both passes through the blockwise
-                 JAX path instead
+                 (float32, or float64 with x64 enabled), like every call to a build without
+                 the CUDA handlers, runs both passes through the blockwise JAX path instead
                  (_blockwise.py, same semantics, O(T * block) memory, float32 and float64
                  matmuls at HIGHEST precision: no TF32), and so does a pass whose kernel does
                  not read the call's bias or mask array, apply its logit soft-capping or take
@@ -245,8 +245,8 @@ def _on_gpu_kernel(kernel: _config.Kernel, kernel_call, blockwise_call, config, 
 
 def _cuda_call(kernel: _config.Kernel, kernel_call, blockwise_call, config, q, bias, mask,
                q_seg):
-  """The call a pass runs on CUDA: the blockwise one where the Hopper kernels do not take the
-  call's dtype, else as `_on_gpu_kernel` decides by its features."""
+  """The call a pass runs on CUDA: the blockwise one where the Hopper kernels cannot run the
+  call's dtype (or were not built), else as `_on_gpu_kernel` decides by its features."""
   if not gpu_kernels_run(q.dtype):
     return blockwise_call
   return _on_gpu_kernel(kernel, kernel_call, blockwise_call, config, bias, mask, q_seg)

@@ -192,18 +192,16 @@ def _softcap(logits_soft_cap) -> float:
 
 
 def gpu_kernels_run(dtype) -> bool:
-  """Whether a GPU call in `dtype` can run on the Hopper kernels: kernel_configs.json lists the
-  dtype for them. GPU calls in other dtypes (float32, float64) run on the blockwise JAX path
-  (_blockwise.py, whose float32 and float64 matmuls run at HIGHEST precision, without TF32)."""
-  return np.dtype(dtype) in _config.GPU_DTYPES
+  """Whether a GPU call in `dtype` can run on the Hopper kernels: the CUDA handlers are built and
+  kernel_configs.json lists the dtype for them. Every other GPU call (float32, float64, or any
+  call to a build without the handlers) runs on the blockwise JAX path (_blockwise.py, whose
+  float32 and float64 matmuls run at HIGHEST precision, without TF32)."""
+  return _extension.cuda_built() and np.dtype(dtype) in _config.GPU_DTYPES
 
 
 def _check_gpu_support(query: jax.Array, head_dim: int) -> None:
   if not _extension.cuda_built():
-    raise NotImplementedError(
-        "jax_flash was built without its CUDA handlers but jax's default backend is the GPU "
-        f"(CUDA handlers {_extension.build_info()['cuda_status']}); reinstall with nvcc and "
-        "nvidia-cutlass available (JAX_FLASH_CUDA=ON, see README)")
+    _extension.warn_cuda_handlers_not_built()
   # The head dim limits the Hopper kernels' tiles; the blockwise path takes any.
   if gpu_kernels_run(query.dtype) and not _config.gpu_head_dim_supported(head_dim):
     raise NotImplementedError(

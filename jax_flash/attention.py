@@ -81,6 +81,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     NotImplementedError: when differentiated twice (grad of grad, Hessian-vector products):
       the backward is a kernel with no derivative of its own.
 
+  Warns:
+    CudaHandlersNotBuiltWarning: once per process, at the first call on a GPU backend when
+      jax_flash was built without its CUDA handlers; every GPU call then runs on the
+      blockwise JAX path.
+
   Returns:
     The attention output, shaped and typed like ``query``; with ``return_residual`` a pair
     ``(output, lse)``. Rows that see no key (all masked, padding rows, empty windows, a

@@ -1,11 +1,13 @@
-"""GPU calls in the dtypes the Hopper kernels do not list (float32, and float64 with x64:
-GPU_BLOCKWISE_DTYPES of kernel_configs.json), which run on the blockwise JAX path instead.
+"""GPU calls that the Hopper kernels do not run, and run on the blockwise JAX path instead: calls
+in the dtypes the kernels do not list (float32, and float64 with x64: GPU_BLOCKWISE_DTYPES of
+kernel_configs.json), and every call to a build without the CUDA handlers.
 
 On the GPU (marked `gpu`): results in those dtypes against the float64 definition under the
 criterion of tests/_tolerances.py (float32 baselines run on the CPU, so TF32 arithmetic would
 fail it), with each feature of the blockwise path, under vmap, in ring attention and through the
 Flax attention_fn; and float32's error checked directly to be far below TF32's. On any machine:
-the routing, seen in programs lowered for CUDA.
+the routing, seen in programs lowered for CUDA, and the one-time warning of a build without the
+CUDA handlers, whose fallback runs here on the CPU as a GPU would run it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 import jax_flash
 import jax_flash.flax as jf
-from jax_flash import _config, _extension
+from jax_flash import _config, _extension, _primitive, _validation
 
 import _reference as ref
 from _harness import (Case, check_forward, check_gradients, make_inputs, np_dtype, visibility,
@@ -167,9 +169,70 @@ def ffi_calls(hlo: str) -> set:
   return {t for t in (_extension.FORWARD_TARGET, _extension.BACKWARD_TARGET) if t in hlo}
 
 
-def test_cuda_lowering_runs_the_hopper_kernels_in_their_dtypes_only():
+@pytest.fixture
+def fresh_traces():
+  """The routing is decided while tracing, from the build (constant in a process, patched
+  here), and jax caches traces: none may carry over into or out of a test."""
+  jax.clear_caches()
+  yield
+  jax.clear_caches()
+
+
+def test_cuda_lowering_runs_the_hopper_kernels_in_their_dtypes_only(fresh_traces, monkeypatch):
+  monkeypatch.setattr(_extension, "cuda_built", lambda: True)
+  # A CPU-only build cannot size the Hopper backward's workspace; lowering needs only a shape.
+  monkeypatch.setattr(_extension, "backward_workspace_bytes", lambda *args, **kwargs: 0)
   for dtype in _config.GPU_DTYPES:
     assert ffi_calls(lowered_for_cuda(dtype)) == {_extension.FORWARD_TARGET,
                                                   _extension.BACKWARD_TARGET}, dtype
   for dtype in _config.GPU_BLOCKWISE_DTYPES:
     assert ffi_calls(lowered_for_cuda(dtype)) == set(), dtype
+
+
+def test_cuda_lowering_without_the_cuda_handlers_runs_no_kernel(fresh_traces, monkeypatch):
+  monkeypatch.setattr(_extension, "cuda_built", lambda: False)
+  for dtype in _config.CPU_DTYPES:
+    assert ffi_calls(lowered_for_cuda(dtype)) == set(), dtype
+
+
+# --- a build without the CUDA handlers on a GPU backend ----------------------------------------
+
+
+@pytest.fixture
+def gpu_backend_without_cuda_handlers(fresh_traces, monkeypatch):
+  """Trace-time validation as on a GPU backend, a build without the CUDA handlers, and every
+  lax.platform_dependent call running its CUDA branch (on this CPU: the program a GPU would
+  run). Yields the list of the CUDA branches run; the one-time warning is re-armed around."""
+  monkeypatch.setattr(_validation, "on_gpu", lambda: True)
+  monkeypatch.setattr(_extension, "cuda_built", lambda: False)
+  branches = []
+
+  def cuda_branch(*operands, cuda, **others):
+    del others
+    branches.append(cuda.func)
+    return cuda(*operands)
+
+  monkeypatch.setattr(jax.lax, "platform_dependent", cuda_branch)
+  _extension.warn_cuda_handlers_not_built.cache_clear()
+  yield branches
+  _extension.warn_cuda_handlers_not_built.cache_clear()
+
+
+def test_without_cuda_handlers_a_gpu_call_warns_once_and_runs_blockwise(
+    gpu_backend_without_cuda_handlers):
+  """The first call warns, quoting build_info()'s cuda_status and how to build the handlers;
+  forward and gradients run on the blockwise path (in a dtype and at a head dim the Hopper
+  kernels would otherwise take or refuse) and match the float64 definition."""
+  case = Case(T=37, S=53, N=4, K=2, H=_config.GPU_MAX_HEAD_DIM + 3,
+              dtype=_config.GPU_DTYPES[0].name, is_causal=True, bias="B1TS")
+  with pytest.warns(jax_flash.CudaHandlersNotBuiltWarning) as record:
+    check_forward(case)
+    check_gradients(case, through_lse=True)
+  warned = [w for w in record if issubclass(w.category, jax_flash.CudaHandlersNotBuiltWarning)]
+  assert len(warned) == 1, [str(w.message) for w in warned]
+  message = str(warned[0].message)
+  for words in (jax_flash.build_info()["cuda_status"], "blockwise", "nvidia-cutlass",
+                "JAX_FLASH_CUDA=ON"):
+    assert words in message, (words, message)
+  assert set(gpu_backend_without_cuda_handlers) == {_primitive._blockwise_forward,
+                                                   _primitive._blockwise_backward}
