@@ -71,7 +71,9 @@ def _kernel(entry: dict, tile_type) -> Kernel:
 
 
 CPU_DTYPES = tuple(_dtype(d) for d in _TABLE["cpu"]["dtypes"])
-GPU_DTYPES = tuple(_dtype(d) for d in _TABLE["sm90"]["dtypes"])
+GPU_DTYPES = tuple(_dtype(d) for d in _TABLE["sm90"]["dtypes"])  # the Hopper kernels' dtypes
+# Those the GPU runs on the blockwise JAX path instead (float32 and float64 matmuls at HIGHEST).
+GPU_BLOCKWISE_DTYPES = tuple(d for d in CPU_DTYPES if d not in GPU_DTYPES)
 GPU_HEAD_DIM_MULTIPLE: int = _TABLE["sm90"]["head_dim_multiple"]
 SM90_FORWARD = _kernel(_TABLE["sm90"]["forward"], Sm90ForwardTile)
 SM90_BACKWARD = _kernel(_TABLE["sm90"]["backward"], Sm90BackwardTile)

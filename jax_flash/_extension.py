@@ -6,7 +6,9 @@ initialises a backend (on a GPU that preallocates most of its memory).
 
 from __future__ import annotations
 
+import functools
 import threading
+import warnings
 
 import jax
 import jaxlib
@@ -58,6 +60,23 @@ def build_info() -> dict:
 
 def cuda_built() -> bool:
   return bool(_BUILD_INFO["cuda"])
+
+
+class CudaHandlersNotBuiltWarning(UserWarning):
+  """jax_flash runs on a GPU but was built without its CUDA handlers: attention runs on the
+  blockwise JAX path there."""
+
+
+@functools.cache  # once per process: the first GPU call says it, later calls stay quiet
+def warn_cuda_handlers_not_built() -> None:
+  """Says that the Hopper kernels were not built, why (`cuda_status`) and how to build them."""
+  warnings.warn(
+      f"jax_flash was built without its CUDA handlers ({_BUILD_INFO['cuda_status']}), so "
+      "attention on the GPU runs on jax_flash's blockwise JAX path: correct, but slower than "
+      "the Hopper kernels. To build them, reinstall with nvcc (CUDA >= 12.3) on PATH and the "
+      "CUTLASS headers: 'python -m pip install --no-deps nvidia-cutlass==4.2.0.0', then "
+      "'JAX_FLASH_CUDA=ON python -m pip install --no-build-isolation .' in the jax_flash "
+      "source (see README, Install).", CudaHandlersNotBuiltWarning)
 
 
 def backward_workspace_bytes(batch: int, seqlen_q: int, num_heads: int, head_dim: int, dtype,

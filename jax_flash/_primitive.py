@@ -32,12 +32,15 @@ Layers, outermost first:
   custom_partitioning  `_sharding.partitioned`: under jit with sharded operands each device
                  runs the call on its shard (batch and head sharding; see _sharding.py).
   platform routing  `_forward_impl` / `_backward_impl`: the CPU runs both passes in the C++
-                 kernels. On CUDA the Hopper kernels run both passes; a call with a bias or
-                 mask array that a kernel does not read, with logit soft-capping that it
-                 does not apply, or with segment ids that it does not take (its "features"
-                 in kernel_configs.json), runs that pass through the blockwise JAX path
-                 instead (_blockwise.py, same semantics, O(T * block) memory). The platform
-                 is chosen per lowering (lax.platform_dependent), not at trace time.
+                 kernels. On CUDA the Hopper kernels run both passes of calls in the dtypes
+                 they list ("sm90" "dtypes" in kernel_configs.json). A call in another dtype
+                 (float32, or float64 with x64 enabled), like every call to a build without
+                 the CUDA handlers, runs both passes through the blockwise JAX path instead
+                 (_blockwise.py, same semantics, O(T * block) memory, float32 and float64
+                 matmuls at HIGHEST precision: no TF32), and so does a pass whose kernel does
+                 not read the call's bias or mask array, apply its logit soft-capping or take
+                 its segment ids (the kernel's "features"). The platform is chosen per
+                 lowering (lax.platform_dependent), not at trace time.
 
 All layers below the custom_vjp take operands with any number r >= 1 of leading batch axes
 (q (batch..., T, N, H), bias (batch..., N|1, T|1, S|1), lengths (batch...), segment ids
@@ -55,7 +58,7 @@ import numpy as np
 from jax import lax
 
 from . import _blockwise, _config, _extension, _ring, _sharding, _varying
-from ._validation import AttentionConfig
+from ._validation import AttentionConfig, gpu_kernels_run
 
 
 
@@ -182,20 +185,37 @@ def _over_batch_axes(fn, operands, batch):
   return jax.vmap(inner, in_axes=in_axes)(*args)
 
 
-def _blockwise_forward(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
-  operands = (q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
+def _with_auto_axes(fn, operands):
+  """fn(*operands) with the explicit mesh axes of the operands' types (arrays, or pytrees of
+  them) made Auto inside.
 
+  Over a mesh with explicit axes a call's operands carry their shardings in their types, and
+  lax.platform_dependent traces the blockwise path on them whatever the platform: its
+  reshapes and updates of sharded axes would need their output shardings spelled out. Its
+  results are typed unsharded, as the FFI calls' results are. A partitioned call runs each
+  shard on local operands, which have no explicit axes: only the unpartitioned program changes.
+  """
+  meshes = (jax.typeof(x).sharding.mesh for x in jax.tree.leaves(operands))
+  mesh = next((m for m in meshes if m.explicit_axes), None)
+  if mesh is None:
+    return fn(*operands)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.sharding.auto_axes(fn, axes=mesh.explicit_axes, out_sharding=replicated)(*operands)
+
+
+def _blockwise_forward(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
   def canonical(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
     return _blockwise.forward(config, q, k, v, bias, mask, q_len, kv_len, q_seg=q_seg,
                               kv_seg=kv_seg)
 
-  return tuple(_over_batch_axes(canonical, operands, _batch_shape(*operands)))
+  def run(*operands):
+    return tuple(_over_batch_axes(canonical, operands, _batch_shape(*operands)))
+
+  return _with_auto_axes(run, (q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg))
 
 
 def _blockwise_backward(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg,
                         kv_seg):
-  operands = (q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg, kv_seg)
-
   def run(renormalize, operands):
     def canonical(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg, kv_seg):
       return _blockwise.backward(config, q, k, v, bias, mask, q_len, kv_len, out, lse, dout,
@@ -203,11 +223,15 @@ def _blockwise_backward(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len
 
     return tuple(_over_batch_axes(canonical, operands, _batch_shape(*operands)))
 
-  # Decided once for the whole call, outside the vmaps over batch axes (where a cond would turn
-  # into a select running both branches): the renormalisation pass runs only when some row
-  # needs it.
-  return lax.cond(_blockwise.needs_renormalization(lse), functools.partial(run, True),
-                  functools.partial(run, False), operands)
+  def call(lse, operands):
+    # Decided once for the whole call, outside the vmaps over batch axes (where a cond would
+    # turn into a select running both branches): the renormalisation pass runs only when some
+    # row needs it.
+    return lax.cond(_blockwise.needs_renormalization(lse), functools.partial(run, True),
+                    functools.partial(run, False), operands)
+
+  operands = (q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg, kv_seg)
+  return _with_auto_axes(call, (lse, operands))
 
 
 # --- platform routing --------------------------------------------------------------------------
@@ -223,10 +247,19 @@ def _on_gpu_kernel(kernel: _config.Kernel, kernel_call, blockwise_call, config, 
   return blockwise_call
 
 
+def _cuda_call(kernel: _config.Kernel, kernel_call, blockwise_call, config, q, bias, mask,
+               q_seg):
+  """The call a pass runs on CUDA: the blockwise one where the Hopper kernels cannot run the
+  call's dtype (or were not built), else as `_on_gpu_kernel` decides by its features."""
+  if not gpu_kernels_run(q.dtype):
+    return blockwise_call
+  return _on_gpu_kernel(kernel, kernel_call, blockwise_call, config, bias, mask, q_seg)
+
+
 def _forward_impl(spec: _sharding.CallSpec, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
   config = spec.config
-  cuda = _on_gpu_kernel(_config.SM90_FORWARD, functools.partial(_forward_call, config),
-                        functools.partial(_blockwise_forward, config), config, bias, mask, q_seg)
+  cuda = _cuda_call(_config.SM90_FORWARD, functools.partial(_forward_call, config),
+                    functools.partial(_blockwise_forward, config), config, q, bias, mask, q_seg)
   return tuple(lax.platform_dependent(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg,
                                       cpu=functools.partial(_forward_call, config), cuda=cuda))
 
@@ -234,10 +267,9 @@ def _forward_impl(spec: _sharding.CallSpec, q, k, v, bias, mask, q_len, kv_len, 
 def _backward_impl(spec: _sharding.CallSpec, q, k, v, out, lse, dout, dlse, bias, mask, q_len,
                    kv_len, q_seg, kv_seg):
   config = spec.config
-  cuda = _on_gpu_kernel(_config.SM90_BACKWARD,
-                        functools.partial(_backward_call, config, gpu_workspace=True),
-                        functools.partial(_blockwise_backward, config), config, bias, mask,
-                        q_seg)
+  cuda = _cuda_call(_config.SM90_BACKWARD,
+                    functools.partial(_backward_call, config, gpu_workspace=True),
+                    functools.partial(_blockwise_backward, config), config, q, bias, mask, q_seg)
   return tuple(lax.platform_dependent(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len,
                                       q_seg, kv_seg,
                                       cpu=functools.partial(_backward_call, config), cuda=cuda))

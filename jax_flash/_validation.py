@@ -191,21 +191,26 @@ def _softcap(logits_soft_cap) -> float:
   return cap
 
 
+def gpu_kernels_run(dtype) -> bool:
+  """Whether a GPU call in `dtype` can run on the Hopper kernels: the CUDA handlers are built and
+  kernel_configs.json lists the dtype for them. Every other GPU call (float32, float64, or any
+  call to a build without the handlers) runs on the blockwise JAX path (_blockwise.py, whose
+  float32 and float64 matmuls run at HIGHEST precision, without TF32)."""
+  return _extension.cuda_built() and np.dtype(dtype) in _config.GPU_DTYPES
+
+
 def _check_gpu_support(query: jax.Array, head_dim: int) -> None:
   if not _extension.cuda_built():
+    _extension.warn_cuda_handlers_not_built()
+  # The head dim limits the Hopper kernels' tiles; the blockwise path takes any.
+  if gpu_kernels_run(query.dtype) and not _config.gpu_head_dim_supported(head_dim):
     raise NotImplementedError(
-        "jax_flash was built without its CUDA handlers but jax's default backend is the GPU "
-        f"(CUDA handlers {_extension.build_info()['cuda_status']}); reinstall with nvcc and "
-        "nvidia-cutlass available (JAX_FLASH_CUDA=ON, see README)")
-  if query.dtype not in _config.GPU_DTYPES:
-    raise NotImplementedError(
-        f"query dtype {query.dtype} is not supported on the GPU; supported: "
-        f"{', '.join(d.name for d in _config.GPU_DTYPES)} (cast the inputs)")
-  if not _config.gpu_head_dim_supported(head_dim):
-    raise NotImplementedError(
-        f"head dim {head_dim} is not supported on the GPU: it must be a multiple of "
-        f"{_config.GPU_HEAD_DIM_MULTIPLE} and at most {_config.GPU_MAX_HEAD_DIM} "
-        f"(compiled tiles: {', '.join(map(str, _config.GPU_HEAD_DIMS))})")
+        f"head dim {head_dim} is not supported on the GPU for query dtype {query.dtype}: it "
+        f"must be a multiple of {_config.GPU_HEAD_DIM_MULTIPLE} and at most "
+        f"{_config.GPU_MAX_HEAD_DIM} (compiled tiles: "
+        f"{', '.join(map(str, _config.GPU_HEAD_DIMS))}); inputs in "
+        f"{' or '.join(d.name for d in _config.GPU_BLOCKWISE_DTYPES)} run on the blockwise JAX "
+        "path, which takes any head dim")
 
 
 def canonicalize(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,

@@ -37,7 +37,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   Args:
     query: ``(B, T, N, H)`` or ``(T, N, H)``.
     key, value: ``(B, S, K, H)`` or ``(S, K, H)``; ``N`` must be a multiple of ``K``
-      (GQA; MQA when ``K == 1``). One floating dtype for query, key and value.
+      (GQA; MQA when ``K == 1``). One floating dtype for query, key and value: float32,
+      bfloat16, float16 or float64 (with x64). On the GPU the Hopper kernels run bfloat16 and
+      float16; float32 and float64 run on the blockwise JAX path (matmuls at HIGHEST
+      precision: no TF32), at that path's speed.
     bias: optional floating array broadcastable to ``(B, N, T, S)``, added to the scaled (and
       soft-capped) logits. Differentiable.
     mask: optional boolean array broadcastable to ``(B, N, T, S)``; ``True`` keeps a logit.
@@ -77,6 +80,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   Raises:
     NotImplementedError: when differentiated twice (grad of grad, Hessian-vector products):
       the backward is a kernel with no derivative of its own.
+
+  Warns:
+    CudaHandlersNotBuiltWarning: once per process, at the first call on a GPU backend when
+      jax_flash was built without its CUDA handlers; every GPU call then runs on the
+      blockwise JAX path.
 
   Returns:
     The attention output, shaped and typed like ``query``; with ``return_residual`` a pair

@@ -24,6 +24,8 @@ def capabilities() -> dict:
       "gpu": {
           "built": _extension.cuda_built(),
           "dtypes": [d.name for d in _config.GPU_DTYPES],
+          # Calls in these run on the blockwise JAX path (HIGHEST matmul precision, any head dim).
+          "blockwise_dtypes": [d.name for d in _config.GPU_BLOCKWISE_DTYPES],
           "head_dims": f"multiples of {_config.GPU_HEAD_DIM_MULTIPLE} up to "
                        f"{_config.GPU_MAX_HEAD_DIM}",
           "tiles": [t.__dict__ for t in _config.SM90_FORWARD_TILES],

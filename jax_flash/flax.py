@@ -52,8 +52,9 @@ Semantics, argument by argument:
   jax_flash has no attention dropout (evaluation, ``deterministic=True``, works).
 * ``dtype``: the computation dtype, as in flax: ``query``, ``key`` and ``value`` are cast to it
   (to their promoted common dtype when None, or with nnx's ``promote_dtype`` function when one
-  is passed); the output has that dtype. The kernels take float32 (CPU only), bfloat16 and
-  float16 (and float64 on the CPU).
+  is passed); the output has that dtype. jax_flash takes float32, bfloat16 and float16 (and
+  float64 with x64); on the GPU float32 and float64 run on its blockwise JAX path, with
+  matmuls at HIGHEST precision.
 * ``precision``: accepted and ignored: the kernels' arithmetic is fixed; they multiply in the
   input dtype and accumulate in float32 (float64 for float64), at least as precise as any
   ``jax.lax.Precision`` for that dtype. ``force_fp32_for_softmax`` is likewise ignored: the

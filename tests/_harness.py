@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -233,9 +234,18 @@ def cudnn_eligible(case: Case) -> bool:
           and not case.beyond_jax_nn)
 
 
+def baseline_device(dtype, platform: str):
+  """Where the baselines in `dtype` (xla, the definition) run: on the platform, but on the CPU
+  for float32, whose matmuls XLA runs in TF32 on the GPU at jax's default precision: a TF32
+  baseline would allow TF32's error."""
+  if platform == "gpu" and np_dtype(dtype) == np.float32:
+    return jax.default_device(ref.cpu_device())
+  return contextlib.nullcontext()
+
+
 def forward_baseline(case: Case, inp: Inputs, platform: str):
   """(output, name): cuDNN on the GPU where it supports the case, else xla in the input dtype
-  on the platform; (None, None) for float64, which has no baseline."""
+  (see `baseline_device`); (None, None) for float64, which has no baseline."""
   dt = np_dtype(case.dtype)
   if dt == np.float64:
     return None, None
@@ -245,11 +255,12 @@ def forward_baseline(case: Case, inp: Inputs, platform: str):
       return np.asarray(f(*_operands(inp))), "cudnn"
     except Exception:  # cuDNN rejects the case: fall back to xla, as the criterion says
       pass
-  if xla_unavailable(dt, platform) or case.beyond_jax_nn:
-    out, _ = definition_output(case, inp, dt)
-    return np.asarray(out), f"definition in {dt.name}"
-  f = ref.xla_function(dt, **case.kwargs())
-  return np.asarray(f(*_operands(inp))), "xla"
+  with baseline_device(dt, platform):
+    if xla_unavailable(dt, platform) or case.beyond_jax_nn:
+      out, _ = definition_output(case, inp, dt)
+      return np.asarray(out), f"definition in {dt.name}"
+    f = ref.xla_function(dt, **case.kwargs())
+    return np.asarray(f(*_operands(inp))), "xla"
 
 
 def xla_unavailable(dtype, platform: str) -> bool:
@@ -500,16 +511,17 @@ def check_gradients(case: Case, platform: str = "cpu", seed: int = 0, *, through
       except Exception:  # cuDNN rejects the case: xla in the same dtype instead
         base = None
     if base is None:
-      if through_lse:  # jax's path stops the lse gradient: the definition in the input dtype
-        base_name = "definition in the input dtype"
-        base = definition(dt)
-      elif xla_unavailable(dt, platform) or case.beyond_jax_nn:
-        base_name = f"definition in {dt.name}"
-        base = definition(dt)
-      else:
-        base_name = "xla"
-        f = split(ref.xla_function(dt, **case.kwargs()))
-        base = vjp(f, [jnp.asarray(x) for x in diff], jnp.asarray(dout))
+      with baseline_device(dt, platform):
+        if through_lse:  # jax's path stops the lse gradient: the definition in the input dtype
+          base_name = "definition in the input dtype"
+          base = definition(dt)
+        elif xla_unavailable(dt, platform) or case.beyond_jax_nn:
+          base_name = f"definition in {dt.name}"
+          base = definition(dt)
+        else:
+          base_name = "xla"
+          f = split(ref.xla_function(dt, **case.kwargs()))
+          base = vjp(f, [jnp.asarray(x) for x in diff], jnp.asarray(dout))
   L = ref.logits_max(inp.q, inp.k, inp.bias, vis, scale=case.scale)
   inherited = row_term_error(case, inp, vis, ours_out, out_hi, dout)
   names = ("dq", "dk", "dv", "dbias")

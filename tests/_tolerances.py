@@ -9,7 +9,9 @@ follows FlashAttention-3's tests:
 ``baseline`` is an established implementation run in the input dtype: jax's xla path
 (``jax.nn.dot_product_attention(implementation='xla')``), or cuDNN on the GPU where cuDNN supports
 the case. Its error measures how hard the case is in that precision; ``k`` says how much worse
-than the baseline ours may be. ``granularity(m)`` is the spacing of the result dtype at magnitude
+than the baseline ours may be. float32 baselines run on the CPU, for GPU results too: at jax's
+default precision XLA runs float32 matmuls on the GPU in TF32, and a TF32 baseline would allow
+TF32's error. ``granularity(m)`` is the spacing of the result dtype at magnitude
 ``m``: the result is rounded to that dtype, so two roundings of it must always be allowed (cases
 such as S == 1 are computed exactly by the baseline).
 
@@ -69,7 +71,7 @@ TOLERANCES = {
             "lse_k": "baseline is xla's float32 logsumexp; ours accumulates in float32 the same way",
             "grad_k": "FlashAttention-3's backward factor: blocked float32 accumulation of dS, "
                       "dQ, dK, dV in another order than xla",
-            "grad_cudnn_k": "float32 runs on the CPU only: no cuDNN baseline",
+            "grad_cudnn_k": "cuDNN's attention takes no float32: no cuDNN baseline",
             "floor_ulps": "the result is rounded to float32 once by ours and once by the baseline",
         }),
     "bfloat16": Tolerance(

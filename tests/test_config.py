@@ -20,6 +20,7 @@ def test_capabilities_agree_with_the_table():
   caps = jax_flash.capabilities()
   assert caps["cpu"]["dtypes"] == [d.name for d in _config.CPU_DTYPES]
   assert caps["gpu"]["dtypes"] == [d.name for d in _config.GPU_DTYPES]
+  assert caps["gpu"]["blockwise_dtypes"] == [d.name for d in _config.GPU_BLOCKWISE_DTYPES]
   assert caps["gpu"]["built"] == _extension.cuda_built()
   assert caps["gpu"]["tiles"] == [
       dict(head_dim=t.head_dim, block_m=t.block_m, block_n=t.block_n, stages=t.stages)

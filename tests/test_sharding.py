@@ -304,6 +304,8 @@ else:
       Setup("segment-ids-lengths-gqa", (2, 4), ("x", None, "y"), N=8, K=4, segments=True,
             lengths=True),
       Setup("explicit-mesh", (2, 4), ("x", None, "y"), N=8, K=4, explicit=True),
+      Setup("explicit-mesh-bias-mask", (2, 4), ("x", None, "y"), bias="BNTS",
+            bias_spec=("x", "y"), mask="BTS", mask_spec=("x",), explicit=True),
   ]
   if PLATFORM == "gpu":
     SETUPS = [dataclasses.replace(s, mesh=(min(s.mesh[0], 2), 1 if s.mesh[0] > 1 else
