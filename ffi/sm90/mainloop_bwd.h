@@ -142,8 +142,9 @@ struct BackwardMainloop {
   struct TileInfo {
     TileCoord coord;  //!< block: key block; head: key/value head
     SeqLengths lens;
-    BlockSpan queries;      //!< query blocks that see some key of the block
-    SegmentReachOf<Traits::kSegments> segments;  //!< queries sharing a segment with some / every key of the block
+    BlockSpan queries;  //!< query blocks that see some key of the block
+    //! Queries sharing a segment with some / every key of the block.
+    SegmentReachOf<Traits::kSegments> segments;
 
     CUTE_DEVICE TileInfo(AttentionProblem const& p, TileCoord const& c)
         : coord(c), lens(p, c.batch), queries(Range::query_blocks(p, lens, c.block)) {
@@ -352,6 +353,7 @@ struct BackwardMainloop {
 
     BlockMask<kBlockN, kBlockM, TiledMmaSdP> mask(thread_idx);
     const RowVisibility visibility = RowVisibility::of</*kRowsAreKeys=*/true>(problem, info.lens);
+    const SegmentAxes</*kRowsAreKeys=*/true> segments{problem, info.coord.batch};
     const float scale_log2 = params.scale_log2;
 
     // Each warpgroup writes its dQ unit to its staging buffer in register order: thread-minor
@@ -399,24 +401,10 @@ struct BackwardMainloop {
       // S^T capped and masked as in the forward.
       Tensor s = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
       if constexpr (Traits::kSoftcap) params.softcap.apply(s);
-      const int m_start = m_block * kBlockM;
-      const bool segments_cut =
-          Traits::kSegments &&
-          !info.segments.every_covers(m_start, min(m_start + kBlockM, info.lens.q_len));
-      if (segments_cut || Range::needs_mask</*kMaskQueryTail=*/true>(problem, info.lens, m_block,
-                                                                      info.coord.block)) {
-        SegmentIds const& ids = problem.segments;
-        const int32_t* row_spans = segments_cut && info.segments.exact
-                                       ? ids.q_span.of(problem.batch, info.coord.batch)
-                                       : nullptr;
-        mask.apply(s, visibility, info.n_start(), m_start, row_spans);
-        if (segments_cut && !info.segments.exact) {
-          mask.apply_segment_ids(s, ids.kv_ids.of(problem.batch, info.coord.batch),
-                                 info.n_start(), problem.seqlen_k,
-                                 ids.q_ids.of(problem.batch, info.coord.batch), m_start,
-                                 problem.seqlen_q);
-        }
-      }
+      mask.apply_block(s, visibility,
+                       Range::needs_mask</*kMaskQueryTail=*/true>(problem, info.lens, m_block,
+                                                                  info.coord.block),
+                       info.segments, segments, info.n_start(), m_block * kBlockM);
       const auto lse_column = column_values(storage.lse.data() + read_q.index() * kBlockM);
       CUTE_UNROLL
       for (int r = 0; r < size<0>(s); ++r) {

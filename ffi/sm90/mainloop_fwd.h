@@ -90,8 +90,9 @@ struct ForwardMainloop {
   struct TileInfo {
     TileCoord coord;
     SeqLengths lens;
-    BlockSpan keys;           //!< key blocks that may hold visible keys
-    SegmentReachOf<Traits::kSegments> segments;  //!< keys sharing a segment with some / every row of the tile
+    BlockSpan keys;  //!< key blocks that may hold visible keys
+    //! Keys sharing a segment with some / every row of the tile.
+    SegmentReachOf<Traits::kSegments> segments;
 
     CUTE_DEVICE TileInfo(AttentionProblem const& p, TileCoord const& c)
         : coord(c), lens(p, c.batch), keys(Range::key_blocks(p, lens, c.block)) {
@@ -233,28 +234,15 @@ struct ForwardMainloop {
     Tensor o = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
     BlockMask<Traits::kBlockM, Traits::kBlockN, typename Traits::TiledMmaQK> mask(thread_idx);
     const RowVisibility visibility = RowVisibility::of</*kRowsAreKeys=*/false>(problem, info.lens);
+    const SegmentAxes</*kRowsAreKeys=*/false> segments{problem, info.coord.batch};
 
     // The cap comes before masking: masked logits must end at -inf.
     auto cap_and_mask = [&](int n_block) {
       if constexpr (Traits::kSoftcap) params.softcap.apply(s);
-      const int n_start = n_block * Traits::kBlockN;
-      const bool segments_cut =
-          Traits::kSegments &&
-          !info.segments.every_covers(n_start, min(n_start + Traits::kBlockN, info.lens.kv_len));
-      if (segments_cut || Range::needs_mask</*kMaskQueryTail=*/false>(problem, info.lens,
-                                                                       info.coord.block, n_block)) {
-        SegmentIds const& ids = problem.segments;
-        const int32_t* row_spans = segments_cut && info.segments.exact
-                                       ? ids.kv_span.of(problem.batch, info.coord.batch)
-                                       : nullptr;
-        mask.apply(s, visibility, info.m_start(), n_start, row_spans);
-        if (segments_cut && !info.segments.exact) {
-          mask.apply_segment_ids(s, ids.q_ids.of(problem.batch, info.coord.batch),
-                                 info.m_start(), problem.seqlen_q,
-                                 ids.kv_ids.of(problem.batch, info.coord.batch), n_start,
-                                 problem.seqlen_k);
-        }
-      }
+      mask.apply_block(s, visibility,
+                       Range::needs_mask</*kMaskQueryTail=*/false>(problem, info.lens,
+                                                                   info.coord.block, n_block),
+                       info.segments, segments, info.m_start(), n_block * Traits::kBlockN);
     };
     auto issue_qk = [&](PipelineState const& state) {
       warpgroup_gemm</*kZeroInit=*/true, /*kWaitGroups=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), tSrS);

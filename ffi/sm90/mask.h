@@ -33,6 +33,26 @@ struct RowVisibility {
   }
 };
 
+//! The segment arrays of one batch item seen from the rows of a block, with RowVisibility's
+//! roles: the rows' spans and ids, the columns' ids. Read only for blocks that need them.
+template <bool kRowsAreKeys>
+struct SegmentAxes {
+  AttentionProblem const& p;
+  int32_t batch;
+
+  CUTE_DEVICE const int32_t* row_spans() const {
+    return (kRowsAreKeys ? p.segments.q_span : p.segments.kv_span).of(p.batch, batch);
+  }
+  CUTE_DEVICE const int32_t* row_ids() const {
+    return (kRowsAreKeys ? p.segments.kv_ids : p.segments.q_ids).of(p.batch, batch);
+  }
+  CUTE_DEVICE const int32_t* col_ids() const {
+    return (kRowsAreKeys ? p.segments.q_ids : p.segments.kv_ids).of(p.batch, batch);
+  }
+  CUTE_DEVICE int row_extent() const { return kRowsAreKeys ? p.seqlen_k : p.seqlen_q; }
+  CUTE_DEVICE int col_extent() const { return kRowsAreKeys ? p.seqlen_q : p.seqlen_k; }
+};
+
 template <int kRows, int kCols, class TiledMma>
 struct BlockMask {
   int thread_idx;
@@ -72,6 +92,25 @@ struct BlockMask {
         const int col_step = get<1>(coords(0, c)) - thread_col;  // a constant after folding
         if (col_step < col_begin || col_step >= col_end) s(r, c) = -INFINITY;
       }
+    }
+  }
+
+  //! Masks one block, whose first row and column are row_start and col_start: by lengths and
+  //! windows where `cut_by_window` (BlockRange::needs_mask), and by segment ids unless `reach`
+  //! (a SegmentReach over the rows, or NoSegmentReach) says that every column of the block
+  //! shares every row's segment. Blocks that need neither are left alone.
+  template <bool kRowsAreKeys, class TensorS, class Reach>
+  CUTE_DEVICE void apply_block(TensorS& s, RowVisibility const& vis, bool cut_by_window,
+                               Reach const& reach, SegmentAxes<kRowsAreKeys> const& segments,
+                               int row_start, int col_start) const {
+    const bool cut_by_segments =
+        !reach.every_covers(col_start, min(col_start + kCols, vis.col_limit));
+    if (!cut_by_segments && !cut_by_window) return;
+    apply(s, vis, row_start, col_start,
+          cut_by_segments && reach.exact ? segments.row_spans() : nullptr);
+    if (cut_by_segments && !reach.exact) {
+      apply_segment_ids(s, segments.row_ids(), row_start, segments.row_extent(),
+                        segments.col_ids(), col_start, segments.col_extent());
     }
   }
 
