@@ -693,6 +693,32 @@ def write_json(data: dict, path: Path) -> None:
   os.replace(tmp, path)
 
 
+def run_metadata(platform: str) -> dict:
+  """What the smaller benchmarks (ring, packed) record about their run."""
+  import jax
+
+  return {"platform": platform, "device_kind": jax.devices(platform)[0].device_kind,
+          "jax_version": jax.__version__,
+          "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+          "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:])}
+
+
+def save_results(data: dict, out: str, stem: str, table: list[str], plot_fn) -> None:
+  """The smaller benchmarks' ending: <stem>.json under `out`, the table on stdout and
+  <stem>.png drawn by plot_fn(data, path) when matplotlib is installed."""
+  out = Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  json_path = out / f"{stem}.json"
+  write_json(data, json_path)
+  print("\n".join(table))
+  print(f"wrote {json_path}")
+  try:
+    plot_fn(data, out / f"{stem}.png")
+    print(f"wrote {out / f'{stem}.png'}")
+  except ImportError:
+    print("matplotlib not installed: no plot")
+
+
 def plot(data: dict, path: Path) -> None:
   import matplotlib
 

@@ -28,11 +28,8 @@ Writes packed_<platform>.json and packed_<platform>.png under --out (default ben
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -195,8 +192,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
-  import jax
-
   platform = bench_attention.select_platform(args.platform)
   args.dtype = args.dtype or ("bfloat16" if platform == "gpu" else "float32")
   impls = (args.impls.split(",") if args.impls else
@@ -227,27 +222,15 @@ def main(argv=None) -> dict:
         print("\n".join(table([row], unit, scale)[2:]), flush=True)
   data = {
       "metadata": {
-          "platform": platform, "device_kind": jax.devices(platform)[0].device_kind,
-          "jax_version": jax.__version__,
-          "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-          "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+          **bench_attention.run_metadata(platform),
           "docs": args.docs, "doc_len": args.doc_len, "heads": args.heads, "dtype": args.dtype,
           "iterations": args.iterations,
           "flops": "visible work: 4*D*N*L*L*H halved (causal); fwd_bwd 3.5x forward",
       },
       "results": rows,
   }
-  out = Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
-  json_path = out / f"packed_{platform}.json"
-  json_path.write_text(json.dumps(data, indent=1))
-  print("\n".join(table(rows, unit, scale)))
-  print(f"wrote {json_path}")
-  try:
-    plot(data, out / f"packed_{platform}.png")
-    print(f"wrote {out / f'packed_{platform}.png'}")
-  except ImportError:
-    print("matplotlib not installed: no plot")
+  bench_attention.save_results(data, args.out, f"packed_{platform}", table(rows, unit, scale),
+                               plot)
   return data
 
 

@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -55,7 +52,6 @@ def flops(c: Cell, N: int, H: int) -> float:
 def build(c: Cell, N: int, K: int, H: int, dtype: str, platform: str):
   """(jitted function, its arguments) for one cell."""
   import jax
-  import jax.numpy as jnp
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
   import jax_flash
@@ -232,13 +228,9 @@ def main(argv=None) -> dict:
               record["efficiency"] = None if t1 is None else t1 / (devices * record["ms"])
             results.append(record)
             print("\n".join(table([record], unit, scale)[2:]), flush=True)
-  device_kind = jax.devices(platform)[0].device_kind
   data = {
       "metadata": {
-          "platform": platform, "device_kind": device_kind, "devices_available": available,
-          "jax_version": jax.__version__, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                    time.gmtime()),
-          "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+          **bench_attention.run_metadata(platform), "devices_available": available,
           "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
           "dtype": args.dtype, "batch": 1, "iterations": args.iterations,
           "timing": "wall clock per call, median", "flops": "forward 4*B*N*T*S*H (halved when "
@@ -246,17 +238,8 @@ def main(argv=None) -> dict:
       },
       "results": results,
   }
-  out = Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
-  json_path = out / f"ring_{platform}.json"
-  json_path.write_text(json.dumps(data, indent=1))
-  print("\n".join(table(results, unit, scale)))
-  print(f"wrote {json_path}")
-  try:
-    plot(data, out / f"ring_{platform}.png")
-    print(f"wrote {out / f'ring_{platform}.png'}")
-  except ImportError:
-    print("matplotlib not installed: no plot")
+  bench_attention.save_results(data, args.out, f"ring_{platform}", table(results, unit, scale),
+                               plot)
   return data
 
 

@@ -140,7 +140,6 @@ def attention_impl(name: str) -> Callable:
 
 
 def build_model(cfg: ModelConfig, attention: Callable, remat: bool = False):
-  import jax
   import jax.numpy as jnp
   from flax import linen as nn
 
@@ -331,7 +330,6 @@ def _attention_alone(cfg: ModelConfig, name: str, opts: Options, key) -> dict:
 
 def run(cfg: ModelConfig, opts: Options) -> dict:
   import jax
-  import jax.numpy as jnp
 
   optimizer = make_optimizer(opts.learning_rate)
   batches = _batches(cfg, max(opts.check_steps, 1), opts.seed)
