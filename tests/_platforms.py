@@ -40,3 +40,12 @@ def named_platform_dtypes(cpu_dtypes_by_name):
       platform, dtype = p.values
       params.append(pytest.param(platform, dtype, name, marks=p.marks, id=f"{p.id}-{name}"))
   return params
+
+
+def named_cases_and_dtypes(names, all_dtype_names):
+  """named_platform_dtypes over named cases: every CPU dtype for the names in all_dtype_names,
+  float32 for the others (the GPU dtypes for all of them)."""
+  all_cpu = [d.name for d in _config.CPU_DTYPES]
+  return named_platform_dtypes((name, all_cpu if name in all_dtype_names else ["float32"])
+                               for name in names)
+

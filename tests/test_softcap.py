@@ -29,8 +29,8 @@ from _harness import (Case, assert_close, blockwise_forward, blockwise_grads, bl
                       check_forward, check_gradients, cotangents, default_dtype, default_head_dim,
                       forward_baseline, live_rows, lse_baseline, make_inputs, np_dtype,
                       reference_hi, run_ours, visibility)
-from _platforms import (GPU, named_platform_dtypes, platform_dtypes, platform_params,
-                        with_platform)
+from _platforms import (GPU, named_cases_and_dtypes, named_platform_dtypes, platform_dtypes,
+                        platform_params, with_platform)
 
 CAP = 5.0
 # q and k entries of standard deviation STD give scaled logits of standard deviation STD**2 = 9
@@ -78,13 +78,7 @@ CASES = {
 ALL_DTYPE_CASES = ("causal-gqa",)
 
 
-def _cases_and_dtypes():
-  all_cpu = [d.name for d in _config.CPU_DTYPES]
-  return named_platform_dtypes((name, all_cpu if name in ALL_DTYPE_CASES else ["float32"])
-                               for name in CASES)
-
-
-@with_platform("platform,dtype,name", _cases_and_dtypes())
+@with_platform("platform,dtype,name", named_cases_and_dtypes(CASES, ALL_DTYPE_CASES))
 def test_forward(platform, dtype, name):
   case = case_on(platform, dtype=dtype, **CASES[name])
   inp = make_inputs(case)
@@ -92,7 +86,7 @@ def test_forward(platform, dtype, name):
   check_forward(case, platform, inp=inp)
 
 
-@with_platform("platform,dtype,name", _cases_and_dtypes())
+@with_platform("platform,dtype,name", named_cases_and_dtypes(CASES, ALL_DTYPE_CASES))
 def test_gradients(platform, dtype, name):
   """dq, dk, dv, dbias; the cotangent also reaches the log-sum-exp."""
   check_gradients(case_on(platform, dtype=dtype, **CASES[name]), platform, through_lse=True)
