@@ -10,13 +10,20 @@ queries' block and passes both on, and after a full turn every accumulator is ba
 device that owns its shard. Each step's transfer depends only on the previous step's data, so
 XLA can overlap it with that step's attention.
 
-Positions are global: causal attention (``T == S``) attends a shard to itself with the causal
-kernel, to earlier shards in full and skips later ones; sequence lengths are global and become
-per-block lengths. Segment ids, where given, are sharded like their sequence: each device keeps
-its queries' ids and the key/value ids travel with the key/value shard, so that each block
-compares the ids of the rows in hand (the kernels' search ranges are computed per block).
-Rows that see nothing in a step contribute nothing (log-sum-exp ``-inf``). Key/value heads
-travel as they are (GQA/MQA without copies).
+Positions are global: for each pair of chunks, the offset between their global positions
+turns the call's window (causal is one) into a Block: the rows and keys that can see each other,
+sliced out, with the window in the slice's coordinates. Which Block a device runs at a step
+depends on its index; where only one Block of a step sees anything, the devices that see
+nothing run it with key/value length 0 instead of a conditional (see `_run_blocks`). Sequence
+lengths are global and become per-block lengths. Segment ids, where given, are sharded like
+their sequence: each device keeps its queries' ids and the key/value ids travel with the
+key/value shard, so that each block compares the ids of the rows in hand. Rows that see
+nothing in a step contribute nothing (log-sum-exp ``-inf``). Key/value heads travel as they are
+(GQA/MQA without copies).
+
+With the ALL_GATHER exchange, key/value (and their ids) are gathered whole instead, in the
+sequence's natural order, each query chunk attends to them in one call, and the backward's
+dK/dV are summed over the devices and scattered back to their shards (``psum_scatter``).
 
 Used by ``jax_flash.ring_attention`` (inside ``shard_map``) and by the partitioned calls when
 ``jit`` meets sequence-sharded operands (``_sharding``). Operands have any number of leading
@@ -29,6 +36,7 @@ inside ``shard_map``, the platform routing inside a partitioned call).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -38,13 +46,15 @@ from jax import lax
 from . import _config, _varying
 from ._validation import AttentionConfig
 
-# Which kernel a (query chunk, key/value chunk) block runs under causal attention.
-_FULL, _CAUSAL, _SKIP = 0, 1, 2
-
 #: How the global sequence is laid out over the ring's devices.
 CONTIGUOUS = "contiguous"  # device d holds chunk d of P
 ZIGZAG = "zigzag"  # device d holds chunks d and 2P - 1 - d of 2P, in that order
 LAYOUTS = (CONTIGUOUS, ZIGZAG)
+
+#: How the key/value shards reach every device's queries.
+RING = "ring"  # passed around the ring, one shard per step, overlapping the attention
+ALL_GATHER = "all_gather"  # gathered whole on every device first; dK/dV reduce-scattered
+EXCHANGES = (RING, ALL_GATHER)
 
 #: (config, q, k, v, q_len, kv_len, q_seg, kv_seg) -> (out, lse) of one block.
 ForwardBlock = Callable
@@ -54,28 +64,47 @@ BackwardBlock = Callable
 
 
 @dataclasses.dataclass(frozen=True)
+class Block:
+  """The part of a (query chunk, key/value chunk) pair that can see itself under the call's
+  window, for one offset between their global positions: query rows ``[rows[0], rows[1])``
+  and key rows ``[cols[0], cols[1])`` of the chunks, attended with `config`, whose window is
+  in the slice's own coordinates (the kernels' rule, i - left <= j <= i + right, top-left)."""
+
+  rows: tuple[int, int]
+  cols: tuple[int, int]
+  config: AttentionConfig
+
+  @staticmethod
+  def of(config: AttentionConfig, offset: int, rows: int, cols: int) -> "Block | None":
+    """The block of `rows` queries whose first has global position `offset` + that of the
+    first of `cols` keys; None when no pair is visible. Global visibility is
+    ``offset + i - left <= j <= offset + i + right``; rows and keys that see nothing are
+    sliced off, which brings the diagonal back into the slice, so the slice's window has
+    non-negative bounds (or none) and the kernels run it as they are."""
+    left, right = config.window_left, config.window_right
+    r0, r1, c0, c1 = 0, rows, 0, cols
+    if left >= 0:  # key j >= i + offset - left
+      c0, r1 = max(c0, offset - left), min(r1, cols + left - offset)
+    if right >= 0:  # key j <= i + offset + right
+      r0, c1 = max(r0, -offset - right), min(c1, rows + offset + right)
+    if r1 <= r0 or c1 <= c0:
+      return None
+    diagonal = offset + r0 - c0  # the offset between the slice's first row and first key
+    left = -1 if left < 0 or left - diagonal >= r1 - r0 - 1 else left - diagonal
+    right = -1 if right < 0 or right + diagonal >= c1 - c0 - 1 else right + diagonal
+    return Block((r0, r1), (c0, c1),
+                 dataclasses.replace(config, window_left=left, window_right=right))
+
+
+@dataclasses.dataclass(frozen=True)
 class Ring:
   """The static part of a ring call."""
 
   axis_name: str | tuple[str, ...]  # one mesh axis, or several taken together (row-major)
   size: int
-  is_causal: bool
-  full: AttentionConfig  # a block of earlier keys (or any block when not causal)
-  causal: AttentionConfig  # a chunk attending to its own keys
+  config: AttentionConfig  # the call's, with its window over global positions
   layout: str = CONTIGUOUS
-
-  @staticmethod
-  def of(axis_name, size: int, config: AttentionConfig, layout: str = CONTIGUOUS) -> "Ring":
-    """The ring for a call with `config`, which must have no window but causal."""
-    is_causal = config.window_right == 0
-    if config.window_left != -1 or config.window_right not in (-1, 0):
-      raise NotImplementedError(
-          "jax_flash: ring attention takes causal or full attention; local windows are not "
-          "supported over a split sequence yet")
-    return Ring(axis_name, int(size), is_causal,
-                full=dataclasses.replace(config, window_left=-1, window_right=-1),
-                causal=dataclasses.replace(config, window_left=-1, window_right=0),
-                layout=layout)
+  exchange: str = RING  # how the key/value shards reach the queries (EXCHANGES)
 
   @property
   def chunks(self) -> int:
@@ -86,21 +115,62 @@ class Ring:
     return lax.axis_index(self.axis_name)
 
   def chunk_ids(self, device):
-    """Global chunk indices held by `device` (a traced index), in local order."""
+    """Global chunk indices held by `device` (an index, traced or not), in local order."""
     if self.layout == ZIGZAG:
       return (device, 2 * self.size - 1 - device)
     return (device,)
 
-  def block_kind(self, q_chunk, kv_chunk):
-    """_FULL, _CAUSAL or _SKIP for queries of chunk `q_chunk` against keys of `kv_chunk`."""
-    if not self.is_causal:
+  def blocks(self, step: int, i: int, j: int, rows: int, cols: int):
+    """The Blocks of local query chunk `i` (`rows` long) against local key/value chunk `j`
+    (`cols` long) of the shard received `step` steps ago, over the ring's devices: the
+    distinct Blocks (None: nothing visible) and, per device, the index of its own."""
+    distinct, index = [], []
+    for device in range(self.size):
+      q_id = self.chunk_ids(device)[i]
+      kv_id = self.chunk_ids((device - step) % self.size)[j]
+      block = Block.of(self.config, q_id * rows - kv_id * cols, rows, cols)
+      if block not in distinct:
+        distinct.append(block)
+      index.append(distinct.index(block))
+    return distinct, index
+
+  def gathered_blocks(self, i: int, rows: int, cols: int):
+    """As `blocks`, for local query chunk `i` against the whole key/value sequence (`cols`
+    long, gathered in its natural order)."""
+    distinct, index = [], []
+    for device in range(self.size):
+      block = Block.of(self.config, self.chunk_ids(device)[i] * rows, rows, cols)
+      if block not in distinct:
+        distinct.append(block)
+      index.append(distinct.index(block))
+    return distinct, index
+
+  def gather(self, x, axis: int):
+    """`x`'s shards of the whole ring, concatenated along `axis` in the sequence's natural
+    order (None for None)."""
+    if x is None:
       return None
-    return jnp.where(kv_chunk < q_chunk, _FULL, jnp.where(kv_chunk == q_chunk, _CAUSAL, _SKIP))
+    x = lax.all_gather(x, self.axis_name, axis=axis % x.ndim, tiled=True)
+    return zigzag_restore(x, self.size, axis) if self.layout == ZIGZAG else x
+
+  def scatter_sum(self, x, axis: int):
+    """The inverse of `gather` for a sum: this device's shard of the sum over the ring of `x`
+    (a whole sequence in its natural order)."""
+    if self.layout == ZIGZAG:
+      x = zigzag_order(x, self.size, axis)
+    return lax.psum_scatter(x, self.axis_name, scatter_dimension=axis % x.ndim, tiled=True)
 
   def pass_on(self, tree):
     """Sends `tree` to the next device of the ring, receives the previous device's."""
     perm = [(d, (d + 1) % self.size) for d in range(self.size)]
     return jax.tree.map(lambda x: lax.ppermute(x, self.axis_name, perm), tree)
+
+
+def choose_exchange(q_shape, k_shape, size: int) -> str:
+  """The key/value exchange used when the caller names none: ALL_GATHER where key/value are
+  small next to the queries (at least 4 query heads per key/value head), RING otherwise."""
+  del size
+  return ALL_GATHER if 4 * k_shape[-2] <= q_shape[-2] else RING
 
 
 def _zigzag_chunks(ring_size: int) -> list[int]:
@@ -132,16 +202,16 @@ def _permute_chunks(x, order, count: int, axis: int):
 
 
 
-def _local_lengths(lengths, chunk, size):
-  """Global lengths as lengths within global chunk `chunk` of `size` rows (None: all rows)."""
+def _slice_lengths(lengths, start, size: int):
+  """Global lengths as lengths within the `size` rows from global row `start` (None: all)."""
   if lengths is None:
     return None
-  return jnp.clip(lengths - chunk * size, 0, size).astype(jnp.int32)
+  return jnp.clip(lengths - start, 0, size).astype(jnp.int32)
 
 
 def _merge(out, lse, block_out, block_lse):
-  """Adds one block's normalised output and log-sum-exp to the running ones (in the
-  accumulation dtype of `out`)."""
+  """Adds one block's normalised output and log-sum-exp to the running ones (all in the
+  accumulation dtype)."""
   new_lse = jnp.logaddexp(lse, block_lse)
   live = jnp.isfinite(new_lse)
   safe = jnp.where(live, new_lse, 0)
@@ -149,7 +219,7 @@ def _merge(out, lse, block_out, block_lse):
   def weight(x):  # (..., N, T) -> (..., T, N, 1)
     return jnp.swapaxes(jnp.where(live, jnp.exp(x - safe), 0), -1, -2)[..., None]
 
-  return out * weight(lse) + block_out.astype(out.dtype) * weight(block_lse), new_lse
+  return out * weight(lse) + block_out * weight(block_lse), new_lse
 
 
 def _split(x, parts: int, axis: int):
@@ -170,11 +240,104 @@ def _join(xs, axis: int):
   return jnp.concatenate(xs, axis=axis) if len(xs) > 1 else xs[0]
 
 
-def _switch(kind, full, causal, skip):
-  """full() when not causal (kind None), else the branch `kind` selects."""
-  if kind is None:
-    return full()
-  return lax.switch(kind, [full, causal, skip])
+def _rows(x, span: tuple[int, int], axis: int):
+  """Rows `span` of `x` along `axis` (x itself when the span is all of it)."""
+  if x is None or span == (0, x.shape[axis]):
+    return x
+  return lax.slice_in_dim(x, span[0], span[1], axis=axis % x.ndim)
+
+
+def _pad_rows(x, span: tuple[int, int], length: int, axis: int, value=0):
+  """`x`, the rows `span` of an axis of `length` rows, padded to all of them with `value`."""
+  if span == (0, length):
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis % x.ndim] = (span[0], length - span[1])
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _run_blocks(ring: Ring, blocks, q_start, kv_start, batch, run, skip):
+  """Runs `run(block, q_len_of, kv_len_of)` for this device's Block, or returns None when no
+  device of the ring sees anything. `blocks` is (distinct Blocks, each device's index into
+  them) for a query chunk whose first row has global position `q_start` against keys from
+  global position `kv_start`; `q_len_of(lengths)` and `kv_len_of(lengths)` turn the global
+  lengths into the block's.
+
+  Where only one Block has visible pairs, the devices that see nothing run it too, with
+  key/value length 0 (the kernels then skip every key block): a conditional would make XLA
+  wait on the host for its branch index. Only when devices need different Blocks (windows,
+  T != S, gathered keys) does a switch pick each device's."""
+  distinct, index = blocks
+  live = [b for b in distinct if b is not None]
+  if not live:
+    return None
+
+  def lengths_of(block, gate):
+    def q_len_of(lengths):
+      return _slice_lengths(lengths, q_start + block.rows[0], block.rows[1] - block.rows[0])
+
+    def kv_len_of(lengths):
+      size = block.cols[1] - block.cols[0]
+      local = _slice_lengths(lengths, kv_start + block.cols[0], size)
+      if gate is None:
+        return local
+      return jnp.where(gate, jnp.full(batch, size, jnp.int32) if local is None else local, 0)
+
+    return q_len_of, kv_len_of
+
+  me = ring.index()
+  if len(live) == 1:
+    gate = None
+    if None in distinct:
+      gate = jnp.asarray([distinct[x] is not None for x in index])[me]
+    return run(live[0], *lengths_of(live[0], gate))
+  branches = [skip if b is None else functools.partial(run, b, *lengths_of(b, None))
+              for b in distinct]
+  return lax.switch(jnp.asarray(index, jnp.int32)[me], branches)
+
+
+def _forward_runner(block: ForwardBlock, q, q_seg, kv, q_len, kv_len, acc, like):
+  """run(b, q_len_of, kv_len_of) for `_run_blocks`: Block `b` of queries `q` against
+  `kv` = (k, v, kv_seg), its (out, lse) padded back to all of q's rows."""
+  rows = q.shape[-3]
+
+  def run(b, q_len_of, kv_len_of):
+    k, v, kv_seg = kv
+    out, lse = block(b.config, _rows(q, b.rows, -3), _rows(k, b.cols, -3),
+                     _rows(v, b.cols, -3), q_len_of(q_len), kv_len_of(kv_len),
+                     _rows(q_seg, b.rows, -1), _rows(kv_seg, b.cols, -1))
+    return (_varying.varying_like(_pad_rows(out.astype(acc), b.rows, rows, -3), like),
+            _varying.varying_like(_pad_rows(lse.astype(acc), b.rows, rows, -1, -jnp.inf),
+                                  like))
+
+  return run
+
+
+def _backward_runner(block: BackwardBlock, qs, kv, q_len, kv_len, acc, likes):
+  """run(b, q_len_of, kv_len_of) for `_run_blocks`: the gradients (dq, dk, dv) of Block `b`
+  of the queries' `qs` = (q, out, lse, dout, dlse, q_seg) against `kv` = (k, v, kv_seg), in
+  the accumulation dtype, padded back to all rows of q and of k."""
+  q, out, lse, dout, dlse, q_seg = qs
+  k, v, kv_seg = kv
+
+  def run(b, q_len_of, kv_len_of):
+    # Every block's P comes from the merged log-sum-exp, and its row term from the merged
+    # output: the block gradients are the exact terms of the full gradient.
+    rows = lambda x, axis=-3: _rows(x, b.rows, axis)
+    cols = lambda x, axis=-3: _rows(x, b.cols, axis)
+    grads = block(b.config, rows(q), cols(k), cols(v), rows(out), rows(lse, -1), rows(dout),
+                  rows(dlse, -1), q_len_of(q_len), kv_len_of(kv_len), rows(q_seg, -1),
+                  cols(kv_seg, -1))
+    spans = ((b.rows, q.shape[-3]), (b.cols, k.shape[-3]), (b.cols, k.shape[-3]))
+    return tuple(_varying.varying_like(_pad_rows(g.astype(acc), span, n, -3), x)
+                 for g, (span, n), x in zip(grads, spans, likes))
+
+  return run
+
+
+def _add(total, x):
+  """total + x, where None is an empty sum."""
+  return x if total is None else total + x
 
 
 def forward(ring: Ring, block: ForwardBlock, q, k, v, q_len, kv_len, q_seg, kv_seg):
@@ -189,32 +352,32 @@ def forward(ring: Ring, block: ForwardBlock, q, k, v, q_len, kv_len, q_seg, kv_s
   q_ids = ring.chunk_ids(me)
   q_parts = _split(q, ring.chunks, -3)
   q_segs = _split(q_seg, ring.chunks, -1)
-  q_lens = [_local_lengths(q_len, c, C) for c in q_ids]
-  outs = [_varying.varying_like(jnp.zeros(out_shape, acc), q) for _ in q_ids]
-  lses = [_varying.varying_like(jnp.full(lse_shape, -jnp.inf, acc), q) for _ in q_ids]
-  kv = (k, v, kv_seg)  # the key/value ids travel with their shard
-  for step in range(ring.size):
-    src = (me - step) % ring.size
-    # The next shard is requested before this one is used, so the transfer can overlap.
-    next_kv = ring.pass_on(kv) if step + 1 < ring.size else None
-    kv_parts = _kv_chunks(ring, kv)
-    for j, kv_id in enumerate(ring.chunk_ids(src)):
-      kv_len_local = _local_lengths(kv_len, kv_id, Ck)
-      for i, q_id in enumerate(q_ids):
-        def run(config, q=q_parts[i], kv=kv_parts[j], q_len=q_lens[i], kv_len=kv_len_local,
-                q_seg=q_segs[i]):
-          kb, vb, kv_seg = kv
-          block_out, block_lse = block(config, q, kb, vb, q_len, kv_len, q_seg, kv_seg)
-          return (_varying.varying_like(block_out, q),
-                  _varying.varying_like(block_lse.astype(acc), q))
-
-        skip = lambda: (_varying.varying_like(jnp.zeros(out_shape, q.dtype), q),
-                        _varying.varying_like(jnp.full(lse_shape, -jnp.inf, acc), q))
-        block_out, block_lse = _switch(ring.block_kind(q_id, kv_id), lambda: run(ring.full),
-                                       lambda: run(ring.causal), skip)
-        outs[i], lses[i] = _merge(outs[i], lses[i], block_out, block_lse)
-    kv = next_kv
-  return _join(outs, -3).astype(q.dtype), _join(lses, -1)
+  skip = lambda: (_varying.varying_like(jnp.zeros(out_shape, acc), q),
+                  _varying.varying_like(jnp.full(lse_shape, -jnp.inf, acc), q))
+  results = [None] * ring.chunks  # (out, lse) of each query chunk so far
+  if ring.exchange == ALL_GATHER:
+    kv_all = (ring.gather(k, -3), ring.gather(v, -3), ring.gather(kv_seg, -1))
+    blocks = lambda i: ring.gathered_blocks(i, C, kv_all[0].shape[-3])
+    for i, q_id in enumerate(q_ids):
+      run = _forward_runner(block, q_parts[i], q_segs[i], kv_all, q_len, kv_len, acc, q)
+      results[i] = _run_blocks(ring, blocks(i), q_id * C, 0, batch, run, skip)
+  else:
+    kv = (k, v, kv_seg)  # the key/value ids travel with their shard
+    for step in range(ring.size):
+      src = (me - step) % ring.size
+      # The next shard is requested before this one is used, so the transfer can overlap.
+      next_kv = ring.pass_on(kv) if step + 1 < ring.size else None
+      for j, (kv_id, kv_part) in enumerate(zip(ring.chunk_ids(src), _kv_chunks(ring, kv))):
+        for i, q_id in enumerate(q_ids):
+          run = _forward_runner(block, q_parts[i], q_segs[i], kv_part, q_len, kv_len, acc, q)
+          result = _run_blocks(ring, ring.blocks(step, i, j, C, Ck), q_id * C, kv_id * Ck,
+                               batch, run, skip)
+          if result is not None:
+            results[i] = result if results[i] is None else _merge(*results[i], *result)
+      kv = next_kv
+  results = [skip() if r is None else r for r in results]
+  return (_join([out for out, _ in results], -3).astype(q.dtype),
+          _join([lse for _, lse in results], -1))
 
 
 def backward(ring: Ring, block: BackwardBlock, q, k, v, out, lse, dout, dlse, q_len, kv_len,
@@ -232,37 +395,44 @@ def backward(ring: Ring, block: BackwardBlock, q, k, v, out, lse, dout, dlse, q_
 
   q_ids = ring.chunk_ids(me)
   split_q = lambda x: _split(x, ring.chunks, -3)
-  q_parts, out_parts, dout_parts = split_q(q), split_q(out), split_q(dout)
-  lse_parts, dlse_parts = _split(lse, ring.chunks, -1), _split(dlse, ring.chunks, -1)
-  q_segs = _split(q_seg, ring.chunks, -1)
-  q_lens = [_local_lengths(q_len, c, C) for c in q_ids]
-  dqs = [grad_zeros(q, C) for _ in q_ids]
-  # The gradients of the shard in hand travel with it, as do its ids.
-  kv = (k, v, kv_seg)
-  dkv = (grad_zeros(k, k.shape[-3]), grad_zeros(v, v.shape[-3]))
-  for step in range(ring.size):
-    src = (me - step) % ring.size
-    next_kv = ring.pass_on(kv) if step + 1 < ring.size else None
-    kv_parts = _kv_chunks(ring, kv)
-    dk_parts, dv_parts = _split(dkv[0], ring.chunks, -3), _split(dkv[1], ring.chunks, -3)
-    for j, kv_id in enumerate(ring.chunk_ids(src)):
-      kv_len_local = _local_lengths(kv_len, kv_id, Ck)
-      for i, q_id in enumerate(q_ids):
-        def run(config, i=i, kv=kv_parts[j], kv_len=kv_len_local):
-          # Every block's P comes from the merged log-sum-exp, and its row term from the
-          # merged output: the block gradients are the exact terms of the full gradient.
-          kb, vb, kv_seg = kv
-          grads = block(config, q_parts[i], kb, vb, out_parts[i], lse_parts[i], dout_parts[i],
-                        dlse_parts[i], q_lens[i], kv_len, q_segs[i], kv_seg)
-          return tuple(_varying.varying_like(g.astype(acc), x) for g, x in zip(grads, (q, k, v)))
-
-        skip = lambda: (grad_zeros(q, C), grad_zeros(k, Ck), grad_zeros(v, Ck))
-        bq, bk, bv = _switch(ring.block_kind(q_id, kv_id), lambda: run(ring.full),
-                             lambda: run(ring.causal), skip)
-        dqs[i] = dqs[i] + bq
-        dk_parts[j] = dk_parts[j] + bk
-        dv_parts[j] = dv_parts[j] + bv
-    dkv = ring.pass_on((_join(dk_parts, -3), _join(dv_parts, -3)))
-    kv = next_kv
-  dk, dv = dkv
-  return _join(dqs, -3).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  split_rows = lambda x: _split(x, ring.chunks, -1)
+  # Per query chunk: (q, out, lse, dout, dlse, q_seg).
+  q_parts = list(zip(split_q(q), split_q(out), split_rows(lse), split_q(dout),
+                     split_rows(dlse), split_rows(q_seg)))
+  dqs = [None] * ring.chunks
+  if ring.exchange == ALL_GATHER:
+    kv_all = (ring.gather(k, -3), ring.gather(v, -3), ring.gather(kv_seg, -1))
+    S = kv_all[0].shape[-3]
+    skip = lambda: (grad_zeros(q, C), grad_zeros(k, S), grad_zeros(v, S))
+    dk_all = dv_all = None
+    for i, q_id in enumerate(q_ids):
+      run = _backward_runner(block, q_parts[i], kv_all, q_len, kv_len, acc, (q, k, v))
+      result = _run_blocks(ring, ring.gathered_blocks(i, C, S), q_id * C, 0, batch, run, skip)
+      if result is not None:
+        dqs[i] = result[0]
+        dk_all, dv_all = _add(dk_all, result[1]), _add(dv_all, result[2])
+    dk = ring.scatter_sum(dk_all if dk_all is not None else grad_zeros(k, S), -3)
+    dv = ring.scatter_sum(dv_all if dv_all is not None else grad_zeros(v, S), -3)
+  else:
+    skip = lambda: (grad_zeros(q, C), grad_zeros(k, Ck), grad_zeros(v, Ck))
+    # The gradients of the shard in hand travel with it, as do its ids.
+    kv = (k, v, kv_seg)
+    dkv = (grad_zeros(k, k.shape[-3]), grad_zeros(v, v.shape[-3]))
+    for step in range(ring.size):
+      src = (me - step) % ring.size
+      next_kv = ring.pass_on(kv) if step + 1 < ring.size else None
+      dk_parts, dv_parts = _split(dkv[0], ring.chunks, -3), _split(dkv[1], ring.chunks, -3)
+      for j, (kv_id, kv_part) in enumerate(zip(ring.chunk_ids(src), _kv_chunks(ring, kv))):
+        for i, q_id in enumerate(q_ids):
+          run = _backward_runner(block, q_parts[i], kv_part, q_len, kv_len, acc, (q, k, v))
+          result = _run_blocks(ring, ring.blocks(step, i, j, C, Ck), q_id * C, kv_id * Ck,
+                               batch, run, skip)
+          if result is not None:
+            dqs[i] = _add(dqs[i], result[0])
+            dk_parts[j] = dk_parts[j] + result[1]
+            dv_parts[j] = dv_parts[j] + result[2]
+      dkv = ring.pass_on((_join(dk_parts, -3), _join(dv_parts, -3)))
+      kv = next_kv
+    dk, dv = dkv
+  dq = _join([grad_zeros(q, C) if x is None else x for x in dqs], -3)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

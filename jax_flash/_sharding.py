@@ -29,10 +29,10 @@ What may be sharded
     sharded (over the mesh axes of the first tensor sharded along one, which then split both),
     each device runs ring attention (``_ring.py``) on its chunks: the key/value chunks (with
     their segment ids, split like their sequence) and, in the backward, their gradient
-    accumulators travel by ``ppermute`` around those mesh axes. Both sequences must divide into
-    the shards (``ValueError``), causal attention needs ``T == S`` (``ValueError``), and
-    bias/mask arrays and local windows are not supported over a split sequence
-    (``NotImplementedError``).
+    accumulators travel by ``ppermute`` around those mesh axes, or are all-gathered (and
+    reduce-scattered) where ``_ring.choose_exchange`` says so. Causal attention and windows
+    apply to global positions. Both sequences must divide into the shards (``ValueError``), and
+    bias/mask arrays are not supported over a split sequence (``NotImplementedError``).
   * The head dim ``H`` may not be sharded: the kernels need whole head vectors. If an operand
     arrives sharded along it (from its own sharding or propagated from the consumers of the
     result), compilation fails with a ``ValueError`` naming the operand, the axis and the mesh
@@ -336,21 +336,12 @@ def _check_ring(kind: _Kind, spec: CallSpec, layout: _Layout, mesh, seq_axes) ->
     raise NotImplementedError(
         f"jax_flash: {where}, which runs as ring attention; ring attention does not take "
         "bias or mask arrays yet: replicate the sequence axes of query, key and value")
-  config = spec.config
-  if config.window_left != -1 or config.window_right not in (-1, 0):
-    raise NotImplementedError(
-        f"jax_flash: {where}, which runs as ring attention; ring attention does not take "
-        "local windows yet: replicate the sequence axes of query, key and value")
   shards = int(np.prod([mesh.shape[a] for a in seq_axes]))
   for name, length in (("query sequence (T)", layout.T), ("key/value sequence (S)", layout.S)):
     if length % shards:
       raise ValueError(
           f"jax_flash: {where} ({shards} shards), which must divide the {name} length "
           f"{length}: pad the sequence to a multiple of {shards}")
-  if config.window_right == 0 and layout.T != layout.S:
-    raise ValueError(
-        f"jax_flash: {where}; causal ring attention needs equal query and key/value lengths, "
-        f"got T={layout.T} and S={layout.S}")
 
 
 def _plan(kind: _Kind, spec: CallSpec, mesh, arg_shapes, result_shapes, *,
@@ -476,7 +467,10 @@ def _ring_call(kind: _Kind, spec: CallSpec, plan: _Plan, impl: Callable, operand
   """The call of `kind` on this device's sequence shards, as ring attention over the plan's
   sequence axes; each block runs `impl` (the platform's kernels) on one pair of shards."""
   axes = plan.seq_axes
-  ring = _ring.Ring.of(axes[0] if len(axes) == 1 else axes, plan._size(axes), spec.config)
+  size = plan._size(axes)
+  q, k = operands[:2]
+  ring = _ring.Ring(axes[0] if len(axes) == 1 else axes, size, spec.config,
+                    exchange=_ring.choose_exchange(q.shape, k.shape, size))
 
   def block_spec(config):
     return dataclasses.replace(spec, config=config)

@@ -137,9 +137,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 
 
 def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
-                   query_seq_lengths=None, key_value_seq_lengths=None, layout="contiguous",
-                   return_residual=False, deterministic=None, logits_soft_cap=None,
-                   query_segment_ids=None, key_value_segment_ids=None):
+                   query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+                   layout="contiguous", kv_exchange=None, return_residual=False,
+                   deterministic=None, logits_soft_cap=None, query_segment_ids=None,
+                   key_value_segment_ids=None):
   r"""Attention over a sequence split along the mesh axis ``axis_name``, inside ``shard_map``.
 
   The key/value shards travel around the devices of ``axis_name`` while each attends its
@@ -153,7 +154,8 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
       axes may shard the batch or the heads as usual.
     scale, deterministic, logits_soft_cap: as in :func:`dot_product_attention` (the soft-cap
       acts on each logit alone, so the ring's exact merge is unchanged).
-    is_causal: causal over global positions; needs ``T == S``.
+    is_causal, local_window_size: as in :func:`dot_product_attention`, over global positions
+      (query ``i`` and key ``j`` of the whole sequence).
     query_seq_lengths, key_value_seq_lengths: optional global lengths ``(B,)``, the same on
       every device of the ring.
     query_segment_ids, key_value_segment_ids: as in :func:`dot_product_attention`, this
@@ -164,13 +166,19 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
       and ``2P - 1 - i``, in that order, so that causal attention gives every device the same
       work. :func:`zigzag_order` puts a sequence in that order (shard the result contiguously)
       and :func:`zigzag_restore` undoes it.
+    kv_exchange: how the key/value shards reach every device: ``"ring"`` (passed from device
+      to device, one shard per step, each transfer overlapping the previous step's
+      attention; no device holds the whole sequence), ``"all_gather"`` (gathered whole on
+      every device first, one kernel call per query chunk, dK/dV reduce-scattered back), or
+      ``None``: ``"all_gather"`` when there are at least 4 query heads per key/value head
+      (key/value are then small next to the queries), else ``"ring"``.
     return_residual: also return this shard's log-sum-exp ``(B, T, N)``.
 
   Returns:
     This device's rows of the output (and log-sum-exp), as :func:`dot_product_attention` on
     the whole sequence gives them.
 
-  Bias and mask arrays and local windows are not supported here yet.
+  Bias and mask arrays are not supported here yet.
   """
   names = (axis_name,) if isinstance(axis_name, str) else axis_name
   if not isinstance(names, tuple) or not names or not all(isinstance(a, str) for a in names):
@@ -178,16 +186,17 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
                     f"{axis_name!r}")
   call = canonicalize(query, key, value, None, None, scale=scale, is_causal=is_causal,
                       query_seq_lengths=query_seq_lengths,
-                      key_value_seq_lengths=key_value_seq_lengths, local_window_size=None,
+                      key_value_seq_lengths=key_value_seq_lengths,
+                      local_window_size=local_window_size,
                       deterministic=deterministic, logits_soft_cap=logits_soft_cap,
                       query_segment_ids=query_segment_ids,
                       key_value_segment_ids=key_value_segment_ids)
   q, k, v = call.query, call.key, call.value
   if layout not in _ring.LAYOUTS:
     raise ValueError(f"layout must be one of {_ring.LAYOUTS}, got {layout!r}")
-  if is_causal and q.shape[1] != k.shape[1]:
-    raise ValueError(f"causal ring attention needs query and key/value shards of the same "
-                     f"length, got T={q.shape[1]} and S={k.shape[1]}")
+  if kv_exchange is not None and kv_exchange not in _ring.EXCHANGES:
+    raise ValueError(f"kv_exchange must be one of {_ring.EXCHANGES} or None, got "
+                     f"{kv_exchange!r}")
   if layout == _ring.ZIGZAG and (q.shape[1] % 2 or k.shape[1] % 2):
     raise ValueError(f"the zigzag layout holds two chunks per device: the shard lengths must be "
                      f"even, got T={q.shape[1]} and S={k.shape[1]}")
@@ -196,7 +205,9 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
   except NameError as err:
     raise ValueError(f"ring_attention must run inside shard_map over a mesh axis named "
                      f"{axis_name!r}") from err
-  ring = _ring.Ring.of(axis_name, size, call.config, layout)
+  if kv_exchange is None:
+    kv_exchange = _ring.choose_exchange(q.shape, k.shape, size)
+  ring = _ring.Ring(axis_name, size, call.config, layout, kv_exchange)
   out, lse = _primitive.ring_attention(ring, q, k, v, call.query_seq_lengths,
                                        call.key_value_seq_lengths, call.query_segment_ids,
                                        call.key_value_segment_ids)

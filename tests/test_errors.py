@@ -257,14 +257,14 @@ def test_ring_attention_outside_shard_map():
     jax_flash.ring_attention(*arrays(), axis_name="sp")
 
 
-def test_ring_attention_causal_needs_equal_shards():
-  with pytest.raises(ValueError, match="same length"):
-    jax_flash.ring_attention(*arrays(T=5, S=7), axis_name="sp", is_causal=True)
-
-
 def test_ring_attention_unknown_layout():
   with pytest.raises(ValueError, match="layout"):
     jax_flash.ring_attention(*arrays(), axis_name="sp", layout="striped")
+
+
+def test_ring_attention_unknown_kv_exchange():
+  with pytest.raises(ValueError, match="kv_exchange must be one of"):
+    jax_flash.ring_attention(*arrays(), axis_name="sp", kv_exchange="all_to_all")
 
 
 def test_ring_attention_zigzag_needs_even_shards():

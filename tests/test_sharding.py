@@ -73,6 +73,7 @@ else:
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
   import jax_flash
+  from jax_flash import _ring
 
   PLATFORM = CHILD
   DEVICES = jax.devices(PLATFORM)
@@ -391,6 +392,8 @@ else:
     # Segment ids, split like their sequence ("sorted": packed documents across the chunks;
     # "unsorted": random key/value ids).
     segments: str | None = None
+    window: tuple[int, int] | None = None  # local_window_size, over global positions
+    exchange: str = "ring"  # kv_exchange (the jit entry always runs the ring)
 
   RING_SETUPS = [
       RingSetup("ring-2", 2),
@@ -413,6 +416,25 @@ else:
       RingSetup("ring-2-zigzag-causal-gqa-segments", 2, is_causal=True, N=4, K=2,
                 layout="zigzag", segments="sorted"),
       RingSetup("ring-2-unsorted-segments", 2, T=24, S=40, segments="unsorted"),
+      # Windows and causal attention with T != S: each device's blocks have their own offset
+      # between query and key positions, and the window cuts chunks in their middle.
+      RingSetup("ring-4-causal-window", 4, is_causal=True, window=(13, 0)),
+      RingSetup("ring-4-window-two-sided-lengths", 4, window=(7, 9), lengths=True),
+      RingSetup("ring-8-causal-t-neq-s-gqa", 8, is_causal=True, T=24, S=56, N=4, K=2),
+      RingSetup("ring-4-window-t-neq-s", 4, window=(6, 11), T=24, S=40),
+      RingSetup("ring-2-zigzag-causal-window-gqa-segments", 2, is_causal=True, window=(9, 0),
+                N=4, K=2, layout="zigzag", segments="sorted"),
+      RingSetup("ring-4-zigzag-window-t-neq-s", 4, window=(5, 3), T=48, S=32,
+                layout="zigzag"),
+      # Key/value gathered whole on every device instead of passed around the ring.
+      RingSetup("gather-4-causal-lengths-gqa", 4, is_causal=True, lengths=True, N=4, K=1,
+                exchange="all_gather"),
+      RingSetup("gather-8-zigzag-causal-window", 8, is_causal=True, window=(11, 0), T=48,
+                S=48, layout="zigzag", exchange="all_gather"),
+      RingSetup("gather-4-batch-2-t-neq-s-segments", 4, outer=2, T=24, S=40,
+                segments="unsorted", exchange="all_gather"),
+      RingSetup("gather-2-zigzag-causal-softcap", 2, is_causal=True, softcap=1.5,
+                layout="zigzag", exchange="all_gather"),
   ]
   if PLATFORM == "gpu":
     RING_SETUPS = [dataclasses.replace(s, ring=2, outer=1, T=256, S=256)
@@ -434,6 +456,9 @@ else:
     s = setup
     if entry == "jit" and s.layout != "contiguous":
       pytest.skip("jit splits the sequence in its natural, contiguous order")
+    # Under jit the key/value exchange follows jax_flash's rule.
+    exchange = s.exchange if entry == "shard_map" else _ring.choose_exchange(
+        (s.B, s.T, s.N, HEAD_DIM), (s.B, s.S, s.K, HEAD_DIM), s.ring)
     mesh = _ring_mesh(s)
     rng = np.random.default_rng(7)
     q = jnp.asarray(rng.standard_normal((s.B, s.T, s.N, HEAD_DIM)), DTYPE)
@@ -458,8 +483,8 @@ else:
     def full(q, k, v, q_seg=q_seg, kv_seg=kv_seg):
       return jax_flash.dot_product_attention(
           q, k, v, is_causal=s.is_causal, query_seq_lengths=q_len,
-          key_value_seq_lengths=kv_len, return_residual=True, logits_soft_cap=s.softcap,
-          query_segment_ids=q_seg, key_value_segment_ids=kv_seg)
+          key_value_seq_lengths=kv_len, local_window_size=s.window, return_residual=True,
+          logits_soft_cap=s.softcap, query_segment_ids=q_seg, key_value_segment_ids=kv_seg)
 
     batch = None if s.outer_heads else "dp"
     heads = "dp" if s.outer_heads else None
@@ -479,8 +504,9 @@ else:
       def local(q, k, v, q_len, kv_len, q_seg, kv_seg):
         return jax_flash.ring_attention(
             q, k, v, axis_name="sp", is_causal=s.is_causal, query_seq_lengths=q_len,
-            key_value_seq_lengths=kv_len, layout=s.layout, return_residual=True,
-            logits_soft_cap=s.softcap, query_segment_ids=q_seg, key_value_segment_ids=kv_seg)
+            key_value_seq_lengths=kv_len, local_window_size=s.window, layout=s.layout,
+            kv_exchange=s.exchange, return_residual=True, logits_soft_cap=s.softcap, query_segment_ids=q_seg,
+            key_value_segment_ids=kv_seg)
       lens = (q_len, kv_len)
       ids = tuple(None if x is None else order(x) for x in (q_seg, kv_seg))
       specs = (tuple(None if x is None else len_spec for x in lens) +
@@ -514,11 +540,18 @@ else:
       tol = 2 * s.ring * eps * max(1.0, np.abs(b).max())
       np.testing.assert_allclose(a, b, rtol=0, atol=tol, err_msg=name)
 
-    # The key/value shards travel around the ring; nothing is gathered.
     hlo = forward_and_grads(ring).lower(*args).compile().as_text()
     found = _collective_shapes(hlo)
-    assert "collective-permute" in found, found
-    assert "all-gather" not in found and "all-to-all" not in found, found
+    assert "all-to-all" not in found, found
+    if exchange == "ring":  # the key/value shards travel around the ring; nothing is gathered
+      assert "collective-permute" in found, found
+      assert "all-gather" not in found, found
+    else:  # key/value (and their ids) are gathered, never the queries
+      assert "all-gather" in found and "collective-permute" not in found, found
+      kv_dims = {(s.S, s.K, HEAD_DIM), (s.S,)}
+      for shape in found["all-gather"]:
+        dims = tuple(int(d) for d in shape[shape.index("[") + 1:-1].split(","))
+        assert dims[1:] in kv_dims or dims[2:] in kv_dims, (shape, found)
 
   def _ring_inputs(T=32, S=32, N=4, K=2):
     rng = np.random.default_rng(11)
@@ -542,19 +575,14 @@ else:
 
   @pytest.mark.parametrize("case,error,match", [
       ("uneven", ValueError, r"must divide the query sequence \(T\) length 30"),
-      ("causal-t-neq-s", ValueError, "causal ring attention needs equal query and key/value"),
-      ("window", NotImplementedError, "does not take local windows yet"),
       ("bias", NotImplementedError, "does not take bias or mask arrays yet"),
   ])
   def test_check_unsupported_sequence_splits_raise(case, error, match):
     """jax_flash's error is raised inside XLA's partitioner, which reports it as a
     JaxRuntimeError (INTERNAL: custom_partitioner) quoting the error's type and message."""
     mesh = _ring_mesh(RingSetup(case, 4))
-    q, k, v = _ring_inputs(T=30 if case == "uneven" else 32,
-                           S=48 if case == "causal-t-neq-s" else 32)
-    kwargs = dict(is_causal=case != "window")
-    if case == "window":
-      kwargs["local_window_size"] = (5, 0)
+    q, k, v = _ring_inputs(T=30 if case == "uneven" else 32)
+    kwargs = dict(is_causal=True)
     bias = jnp.zeros((2, 4, q.shape[1], k.shape[1]), DTYPE) if case == "bias" else None
     spec = NamedSharding(mesh, P(None, "sp"))
 
