@@ -28,6 +28,14 @@ class Sm90ForwardTile:
   block_m: int
   block_n: int
   stages: int
+  # Problems this tile runs instead of its head dim's default (the tile with neither): causal
+  # ones of at most this many query rows (0: none), and those with segment ids.
+  prefer_causal_up_to: int = 0
+  prefer_segment_ids: bool = False
+
+  @property
+  def is_default(self) -> bool:
+    return not self.prefer_causal_up_to and not self.prefer_segment_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +87,15 @@ SM90_FORWARD = _kernel(_TABLE["sm90"]["forward"], Sm90ForwardTile)
 SM90_BACKWARD = _kernel(_TABLE["sm90"]["backward"], Sm90BackwardTile)
 SM90_FORWARD_TILES = SM90_FORWARD.tiles
 SM90_BACKWARD_TILES = SM90_BACKWARD.tiles
-GPU_HEAD_DIMS = tuple(t.head_dim for t in SM90_FORWARD_TILES)
+GPU_HEAD_DIMS = tuple(sorted({t.head_dim for t in SM90_FORWARD_TILES}))
 GPU_MAX_HEAD_DIM = max(GPU_HEAD_DIMS)
 if tuple(t.head_dim for t in SM90_BACKWARD_TILES) != GPU_HEAD_DIMS:
   raise ImportError("kernel_configs.json: the sm90 forward and backward tiles must cover the same "
-                    "head dims")
+                    "head dims (one backward tile each)")
+if any(sum(t.is_default for t in SM90_FORWARD_TILES if t.head_dim == h) != 1
+       for h in GPU_HEAD_DIMS):
+  raise ImportError("kernel_configs.json: every head dim needs exactly one sm90 forward tile "
+                    "without preferences (its default)")
 
 
 def gpu_head_dim_supported(head_dim: int) -> bool:

@@ -4,12 +4,14 @@ case so that the cases run in parallel and a slow one is named).
 
     python tests/_sanitizer_driver.py [CASE_INDEX ...]   (default: every case)
 
-Cases, for each compiled tile: causal and not, a local window, ragged query and key/value
+Cases, for each compiled head dim: causal and not, a local window, ragged query and key/value
 lengths (zero and past the end included), mostly empty batch items over a grid where every
 CTA walks several tiles, grouped-query heads, sizes that are not multiples of any tile, every
 compiled dtype, the backward's ordered (deterministic) dQ reduction, logit soft-capping
 (its own instantiation of each tile; causal, ragged) and segment ids (sorted and not; their
-own instantiations, with and without soft-capping). Each case also runs
+own instantiations, with and without soft-capping). A head dim with several forward tiles
+runs its causal and segment-id cases on the tile that prefers them (kernel_configs.json) and
+the others on its default. Each case also runs
 the gradients (the backward's three kernels). Every output and gradient is checked to be
 finite, so a kernel that reads garbage fails here too.
 """
@@ -29,8 +31,7 @@ from jax_flash import _config
 
 def cases():
   dtypes = _config.GPU_DTYPES
-  for i, tile in enumerate(_config.SM90_FORWARD_TILES):
-    H = tile.head_dim
+  for i, H in enumerate(_config.GPU_HEAD_DIMS):
     yield dict(H=H, dtype=dtypes[i % len(dtypes)], is_causal=False, window=None, lengths=None)
     yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=True, window=None,
                lengths="ragged")
@@ -40,6 +41,10 @@ def cases():
     # empty (the forward's case: the backward's grid is one CTA per tile).
     yield dict(H=H, dtype=dtypes[1 % len(dtypes)], is_causal=False, window=None,
                lengths="mostly_empty", B=24, N=16, K=4, grads=False)
+    if any(t.prefer_causal_up_to for t in _config.SM90_FORWARD_TILES if t.head_dim == H):
+      # The same on the tile this head dim prefers for short causal rows.
+      yield dict(H=H, dtype=dtypes[0], is_causal=True, window=None, lengths="mostly_empty",
+                 B=24, N=16, K=4, grads=False)
     if "softcap" in _config.SM90_FORWARD.features | _config.SM90_BACKWARD.features:
       yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=True, window=None,
                  lengths="ragged", softcap=2.0)

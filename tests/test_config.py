@@ -23,7 +23,8 @@ def test_capabilities_agree_with_the_table():
   assert caps["gpu"]["blockwise_dtypes"] == [d.name for d in _config.GPU_BLOCKWISE_DTYPES]
   assert caps["gpu"]["built"] == _extension.cuda_built()
   assert caps["gpu"]["tiles"] == [
-      dict(head_dim=t.head_dim, block_m=t.block_m, block_n=t.block_n, stages=t.stages)
+      dict(head_dim=t.head_dim, block_m=t.block_m, block_n=t.block_n, stages=t.stages,
+           prefer_causal_up_to=t.prefer_causal_up_to, prefer_segment_ids=t.prefer_segment_ids)
       for t in _config.SM90_FORWARD_TILES]
   assert [t["head_dim"] for t in caps["gpu"]["backward_tiles"]] == list(_config.GPU_HEAD_DIMS)
   assert caps["gpu"]["kernel_features"] == {
@@ -40,7 +41,8 @@ def test_config_module_reads_the_json_table():
   assert _config.GPU_HEAD_DIM_MULTIPLE == table["sm90"]["head_dim_multiple"]
   for kernel, entry in ((_config.SM90_FORWARD, table["sm90"]["forward"]),
                         (_config.SM90_BACKWARD, table["sm90"]["backward"])):
-    assert [t.__dict__ for t in kernel.tiles] == entry["tiles"]
+    assert list(kernel.tiles) == [type(t)(**row) for t, row in zip(kernel.tiles, entry["tiles"])]
+    assert len(kernel.tiles) == len(entry["tiles"])
     assert kernel.features == frozenset(entry["features"])
   assert _config.GPU_MAX_HEAD_DIM == max(row["head_dim"] for row in table["sm90"]["forward"]["tiles"])
 
@@ -68,6 +70,11 @@ def test_table_is_consistent():
   for tile in _config.SM90_FORWARD_TILES:
     assert tile.head_dim % _config.GPU_HEAD_DIM_MULTIPLE == 0
     assert tile.block_m > 0 and tile.block_n > 0 and tile.stages > 0
+  # Each head dim: one default forward tile, and no two tiles alike.
+  for head_dim in _config.GPU_HEAD_DIMS:
+    tiles = [t for t in _config.SM90_FORWARD_TILES if t.head_dim == head_dim]
+    assert sum(t.is_default for t in tiles) == 1, tiles
+    assert len({t.block_m for t in tiles}) == len(tiles), tiles
   for tile in _config.SM90_BACKWARD_TILES:
     # Each of the two MMA warpgroups holds 64 key rows of S^T and of dK/dV, 64 rows of dQ.
     assert tile.block_n == 64 * tile.sdp_warpgroups_along_keys

@@ -85,11 +85,19 @@ Status CheckBackward(const BackwardParams& p) {
                       {&f.q, &f.k, &f.v, &f.out, &p.dout, &p.dq, &p.dk, &p.dv});
 }
 
-template <int kTileHeadDim>
+template <int kTileHeadDim, int kTileBlockM>
 Status RunForwardForDtype(const ForwardParams& p, const LaunchContext& context) {
   return p.shape.dtype == ElementType::kBFloat16
-             ? RunForwardTile<ElementType::kBFloat16, kTileHeadDim>(p, context)
-             : RunForwardTile<ElementType::kFloat16, kTileHeadDim>(p, context);
+             ? RunForwardTile<ElementType::kBFloat16, kTileHeadDim, kTileBlockM>(p, context)
+             : RunForwardTile<ElementType::kFloat16, kTileHeadDim, kTileBlockM>(p, context);
+}
+
+//! Whether a forward tile's preferences (kernel_configs.json) name the problem `p`. A tile with
+//! none is its head dim's default.
+bool ForwardTilePrefers(const ForwardParams& p, int64_t causal_up_to, bool segment_ids) {
+  const bool causal = p.options.window_right == 0;
+  return (causal_up_to > 0 && causal && p.shape.seqlen_q <= causal_up_to) ||
+         (segment_ids && p.q_segment_ids.present());
 }
 
 template <int kTileHeadDim>
@@ -128,14 +136,25 @@ Status RunForward(const ForwardParams& params, const LaunchContext& context) {
                                kForwardTakesSegmentIds, kForwardMaxHeadDim,
                                {&params.q, &params.k, &params.v, &params.out});
   if (!status.ok()) return status;
-  const int64_t head_dim = params.shape.head_dim;
-  // Tiles are listed by ascending head dim: the first that covers the problem runs it.
-#define JAX_FLASH_TRY_TILE(HEAD_DIM) \
-  if (head_dim <= HEAD_DIM) return RunForwardForDtype<HEAD_DIM>(params, context);
-  JAX_FLASH_SM90_FORWARD_TILES(JAX_FLASH_TRY_TILE)
-#undef JAX_FLASH_TRY_TILE
+  // Tiles are listed by ascending head dim: the first head dim that covers the problem's runs
+  // it, on the first of its tiles whose preference the problem meets, else on its default.
+  int64_t tile_head_dim = 0;
+#define JAX_FLASH_FIND_HEAD_DIM(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS) \
+  if (tile_head_dim == 0 && params.shape.head_dim <= HEAD_DIM) tile_head_dim = HEAD_DIM;
+  JAX_FLASH_SM90_FORWARD_TILES(JAX_FLASH_FIND_HEAD_DIM)
+#undef JAX_FLASH_FIND_HEAD_DIM
+#define JAX_FLASH_TRY_PREFERRED(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS) \
+  if (tile_head_dim == HEAD_DIM && ForwardTilePrefers(params, CAUSAL_UP_TO, SEGMENT_IDS)) \
+    return RunForwardForDtype<HEAD_DIM, BLOCK_M>(params, context);
+  JAX_FLASH_SM90_FORWARD_TILES(JAX_FLASH_TRY_PREFERRED)
+#undef JAX_FLASH_TRY_PREFERRED
+#define JAX_FLASH_TRY_DEFAULT(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS) \
+  if (tile_head_dim == HEAD_DIM && CAUSAL_UP_TO == 0 && !SEGMENT_IDS)  \
+    return RunForwardForDtype<HEAD_DIM, BLOCK_M>(params, context);
+  JAX_FLASH_SM90_FORWARD_TILES(JAX_FLASH_TRY_DEFAULT)
+#undef JAX_FLASH_TRY_DEFAULT
   return Status::Internal("jax_flash: no compiled Hopper forward tile covers head dim " +
-                          std::to_string(head_dim));
+                          std::to_string(params.shape.head_dim));
 }
 
 Status GetBackwardWorkspaceLayout(const BackwardParams& params, BackwardWorkspaceLayout* layout) {

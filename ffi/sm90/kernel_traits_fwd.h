@@ -17,10 +17,10 @@ namespace jax_flash::sm90 {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_, bool kSoftcap_, bool kSegments_>
+template <class Element_, int kHeadDim_, int kTileBlockM_, bool kSoftcap_, bool kSegments_>
 struct ForwardKernelTraits {
   using Element = Element_;
-  using Tile = ForwardTileConfig<kHeadDim_>;
+  using Tile = ForwardTileConfig<kHeadDim_, kTileBlockM_>;
 
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kSoftcap = kSoftcap_;  //!< logits are soft-capped (softcap.h)

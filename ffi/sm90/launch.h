@@ -33,8 +33,10 @@ struct BackwardWorkspaceLayout {
   int64_t bytes = 0;
 };
 
-//! Runs the forward on the smallest compiled tile whose head dim covers the problem's.
-//! Validates what the kernels require (dtype, head dim, alignment) and reports CUDA errors.
+//! Runs the forward on a compiled tile of the smallest head dim that covers the problem's: the
+//! first of that head dim whose preference the problem meets, else its default (see
+//! kernel_configs.json). Validates what the kernels require (dtype, head dim, alignment) and
+//! reports CUDA errors.
 Status RunForward(const ForwardParams& params, const LaunchContext& context);
 
 //! The workspace layout of the backward of `shape` (zero bytes where it has nothing to do).
@@ -49,7 +51,7 @@ Status RunBackward(const BackwardParams& params, const BackwardWorkspaceLayout& 
 
 //! One compiled configuration of each pass; defined in launch_fwd.cuh / launch_bwd.cuh,
 //! instantiated per tile and dtype.
-template <ElementType kDtype, int kTileHeadDim>
+template <ElementType kDtype, int kTileHeadDim, int kTileBlockM>
 Status RunForwardTile(const ForwardParams& params, const LaunchContext& context);
 template <ElementType kDtype, int kTileHeadDim>
 Status RunBackwardTile(const BackwardParams& params, const BackwardWorkspaceLayout& layout,

@@ -68,14 +68,14 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
                        Kernel::kSharedStorageBytes, kp, context, "forward");
 }
 
-template <ElementType kDtype, int kTileHeadDim>
+template <ElementType kDtype, int kTileHeadDim, int kTileBlockM>
 Status RunForwardTile(const ForwardParams& params, const LaunchContext& context) {
   using Element = typename CutlassElement<kDtype>::type;
   return with_features<kForwardTakesSoftcap, kForwardTakesSegmentIds>(
       params, [&](auto softcap, auto segments) {
-        return launch_forward<ForwardKernelTraits<Element, kTileHeadDim, decltype(softcap)::value,
-                                                decltype(segments)::value>>(
-            params, context);
+        return launch_forward<ForwardKernelTraits<Element, kTileHeadDim, kTileBlockM,
+                                                  decltype(softcap)::value,
+                                                  decltype(segments)::value>>(params, context);
       });
 }
 
