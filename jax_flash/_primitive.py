@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _blockwise, _config, _extension, _ring, _sharding, _varying
+from . import _blockwise, _config, _extension, _ring, _sharding, _split_kv, _varying
 from ._validation import AttentionConfig, gpu_kernels_run
 
 
@@ -256,9 +256,23 @@ def _cuda_call(kernel: _config.Kernel, kernel_call, blockwise_call, config, q, b
   return _on_gpu_kernel(kernel, kernel_call, blockwise_call, config, bias, mask, q_seg)
 
 
+def _gpu_forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
+  """The Hopper forward; decoding shapes (few query rows against many keys) by `_split_kv`."""
+  plan = None
+  if bias is None and mask is None:
+    plan = _split_kv.plan(q.shape, k.shape, config, q_seg is not None)
+  if plan is None:
+    return _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
+
+  def call(q, k, v, q_len, kv_len):
+    return _forward_call(config, q, k, v, None, None, q_len, kv_len, None, None)
+
+  return _split_kv.forward(plan, call, q, k, v, q_len, kv_len)
+
+
 def _forward_impl(spec: _sharding.CallSpec, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
   config = spec.config
-  cuda = _cuda_call(_config.SM90_FORWARD, functools.partial(_forward_call, config),
+  cuda = _cuda_call(_config.SM90_FORWARD, functools.partial(_gpu_forward_call, config),
                     functools.partial(_blockwise_forward, config), config, q, bias, mask, q_seg)
   return tuple(lax.platform_dependent(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg,
                                       cpu=functools.partial(_forward_call, config), cuda=cuda))

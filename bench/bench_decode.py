@@ -1,0 +1,192 @@
+"""Decoding: a few query rows against a long key/value cache, forward only.
+
+For each (batch B, query rows T, cached keys S) times jax_flash's forward (which runs such
+shapes with the keys split and the query heads of a group packed: jax_flash/_split_kv.py),
+the same forward without that (``jax_flash_unsplit``) and cuDNN through
+``jax.nn.dot_product_attention``, each as the sum of its kernels' CUPTI durations. The bar is
+the HBM bandwidth: the bytes of K and V over the time, against what a device-to-device copy
+reaches in the same run (bytes read + written over its time, on a 2 GiB buffer).
+
+  python bench/bench_decode.py                       # B = 1, 8, 64; T = 1, 4, 16; S = 4k..128k
+  python bench/bench_decode.py --batches 1 --queries 1 --seqlens 131072
+
+Writes decode_gpu.json and decode_gpu.png under --out (default bench/out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_attention  # noqa: E402  (timing, metadata and result files)
+
+IMPLS = ("jax_flash", "jax_flash_unsplit", "cudnn")
+
+
+@contextlib.contextmanager
+def _unsplit():
+  """While tracing: the plain forward kernel call for every shape."""
+  from jax_flash import _split_kv
+
+  plan = _split_kv.plan
+  _split_kv.plan = lambda *args, **kwargs: None
+  try:
+    yield
+  finally:
+    _split_kv.plan = plan
+
+
+def _compile(name: str, q, k, v):
+  import jax
+
+  import jax_flash
+
+  if name == "cudnn":
+    fn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
+  else:
+    fn = jax.jit(lambda q, k, v: jax_flash.dot_product_attention(q, k, v))
+  with _unsplit() if name == "jax_flash_unsplit" else contextlib.nullcontext():
+    return fn.lower(q, k, v).compile()
+
+
+def copy_bandwidth(iterations: int) -> float:
+  """Bytes read + written per second by a device-to-device copy of 2 GiB."""
+  import jax
+  import jax.numpy as jnp
+
+  x = jnp.ones((2 ** 30,), jnp.bfloat16)
+  compiled = jax.jit(lambda x: x * 2).lower(x).compile()  # one fusion: read x, write a copy
+  ms, _ = bench_attention.time_gpu(compiled, [x], iterations, warmup=1)
+  return 2 * x.nbytes / (statistics.median(ms) * 1e-3)
+
+
+def run_cell(B: int, T: int, S: int, args, copy_bw: float) -> dict:
+  import jax
+  import numpy as np
+
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  q = jax.random.normal(keys[0], (B, T, args.heads, args.head_dim), args.dtype)
+  k = jax.random.normal(keys[1], (B, S, args.kv_heads, args.head_dim), args.dtype)
+  v = jax.random.normal(keys[2], (B, S, args.kv_heads, args.head_dim), args.dtype)
+  kv_bytes = k.nbytes + v.nbytes
+  record = {"B": B, "T": T, "S": S, "kv_bytes": kv_bytes, "results": {}}
+  reference = None
+  for name in args.impls.split(","):
+    r = {}
+    try:
+      compiled = _compile(name, q, k, v)
+      out = compiled(q, k, v)
+      if reference is None:
+        reference = np.asarray(out, np.float32)
+      r["max_abs_diff"] = float(np.abs(np.asarray(out, np.float32) - reference).max())
+      times, method = bench_attention.time_gpu(compiled, [q, k, v], args.iterations, warmup=1)
+      r.update(us=statistics.median(times) * 1e3, timing=method)
+      r["bandwidth"] = kv_bytes / (r["us"] * 1e-6)
+      r["of_copy"] = r["bandwidth"] / copy_bw
+    except Exception as e:  # a peer that does not take the shape
+      r["error"] = bench_attention.short_reason(e)
+    record["results"][name] = r
+    jax.clear_caches()
+  ours, cudnn = record["results"].get("jax_flash", {}), record["results"].get("cudnn", {})
+  if "us" in ours and "us" in cudnn:
+    record["speedup_vs_cudnn"] = cudnn["us"] / ours["us"]
+  return record
+
+
+def table(data: dict) -> list[str]:
+  impls = data["metadata"]["impls"]
+  head = f"{'B':>3} {'T':>3} {'S':>7} | " + " ".join(f"{n:>24}" for n in impls) + " | vs cuDNN"
+  lines = [head, "-" * len(head)]
+  for r in data["results"]:
+    cells = []
+    for n in impls:
+      x = r["results"].get(n, {})
+      cells.append(f"{'error':>24}" if "us" not in x else
+                   f"{x['us']:>9.1f} us {x['bandwidth'] / 1e9:>6.0f} GB/s {100 * x['of_copy']:>3.0f}%")
+    speed = r.get("speedup_vs_cudnn")
+    lines.append(f"{r['B']:>3} {r['T']:>3} {r['S']:>7} | " + " ".join(cells) +
+                 f" | {'' if speed is None else f'{speed:.2f}x'}")
+  lines.append(f"copy bandwidth: {data['metadata']['copy_bandwidth'] / 1e9:.0f} GB/s "
+               "(bytes read + written); % = K/V bytes over time, of that")
+  return lines
+
+
+def plot(data: dict, path: Path) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  meta = data["metadata"]
+  pairs = sorted({(r["B"], r["T"]) for r in data["results"]})
+  fig, axes = plt.subplots(1, len(pairs), squeeze=False, figsize=(4 * len(pairs), 3.6))
+  for ax, (B, T) in zip(axes[0], pairs):
+    for name in meta["impls"]:
+      pts = sorted((r["S"], r["results"][name]["of_copy"]) for r in data["results"]
+                   if (r["B"], r["T"]) == (B, T) and "of_copy" in r["results"].get(name, {}))
+      if pts:
+        ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=name)
+    ax.axhline(80, color="gray", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 110)
+    ax.set_title(f"B={B}, T={T}")
+    ax.set_xlabel("cached keys S")
+    ax.set_ylabel("K/V read bandwidth, % of copy")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.suptitle(f"decode | {meta['device_kind']} | N={meta['heads']}, K={meta['kv_heads']}, "
+               f"H={meta['head_dim']}, {meta['dtype']}", fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--batches", default="1,8,64")
+  p.add_argument("--queries", default="1,4,16")
+  p.add_argument("--seqlens", default="4096,16384,65536,131072")
+  p.add_argument("--heads", type=int, default=32)
+  p.add_argument("--kv-heads", type=int, default=8)
+  p.add_argument("--head-dim", type=int, default=128)
+  p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--impls", default=",".join(IMPLS))
+  p.add_argument("--iterations", type=int, default=20)
+  p.add_argument("--max-kv-gib", type=float, default=16.0,
+                 help="skip cells whose K and V take more than this")
+  p.add_argument("--out", default=str(HERE / "out"))
+  return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  bench_attention.select_platform("gpu")
+  copy_bw = copy_bandwidth(args.iterations)
+  results = []
+  for B in map(int, args.batches.split(",")):
+    for T in map(int, args.queries.split(",")):
+      for S in map(int, args.seqlens.split(",")):
+        if 2 * B * S * args.kv_heads * args.head_dim * 2 > args.max_kv_gib * 2 ** 30:
+          continue
+        results.append(run_cell(B, T, S, args, copy_bw))
+        print(table({"metadata": {"impls": args.impls.split(","), "copy_bandwidth": copy_bw},
+                     "results": results[-1:]})[2], flush=True)
+  data = {
+      "metadata": {**bench_attention.run_metadata("gpu"), "impls": args.impls.split(","),
+                   "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+                   "dtype": args.dtype, "iterations": args.iterations, "copy_bandwidth": copy_bw,
+                   "timing": "sum of the kernels' CUPTI durations per call, median"},
+      "results": results,
+  }
+  bench_attention.save_results(data, args.out, "decode_gpu", table(data), plot)
+  return data
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,123 @@
+"""The GPU forward of few query rows against many keys (decoding): key/value split, query
+heads of a group packed.
+
+The forward kernel gives each CTA one query block of one query head. A decoding step (one or a
+few query rows against a long key/value cache) has one query block per (batch item, head), too
+few to fill the GPU, and under grouped-query attention every query head of a group reads the
+same keys again. So, for calls that fit (`plan`):
+
+- the query heads of a key/value group become query rows: q ``(batch..., T, K*G, H)`` is
+  attended as ``(batch..., T*G, K, H)`` (row ``t*G + g``), and K/V are read once per group;
+- the keys are split into `splits` equal chunks, each a batch item of its own (a reshape, no
+  copy; the queries broadcast over the new batch axis), and the chunks' partial results merge
+  exactly through their log-sum-exps.
+
+The log-sum-exp returned is the merged one, so the backward (which recomputes from it) is that
+of the plain call. Only calls without a window (and so without causal masking, whose rows
+would see different keys in each chunk) and without segment ids take this path; sequence
+lengths do (a chunk's key length is the part of the global length inside it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from . import _config
+
+#: At most this many query rows (after packing the groups) per (batch item, key/value head):
+#: one query block of any forward tile.
+MAX_PACKED_ROWS = 64
+#: The keys of a chunk: a multiple of CHUNK_QUANTUM (whole key blocks), and at least S / 16
+#: keys within [MIN_CHUNK, LONG_CHUNK]. More and shorter chunks spread a small cache over more
+#: SMs but cost more in the merge and in each CTA's query load and epilogue: on an H200, 256-key
+#: chunks beat 1024-key ones at S = 4096 (13.9 against 19.6 us, B = 1) and lost at S = 16384
+#: (32.5 against 25.5 us).
+CHUNK_QUANTUM = 128
+MIN_CHUNK = 256
+LONG_CHUNK = 1024
+#: Split while the doubled split still gives at most this many CTAs per SM (B = 8, S = 4096:
+#: 4 splits, 256 CTAs, 43 us; 8 splits, 512 CTAs, 48 us).
+CTAS_PER_SM = 2
+_DEFAULT_SMS = 132  # an H100/H200, where the device does not say
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  groups: int  # query heads per key/value head packed into rows (1: no packing)
+  splits: int  # key/value chunks (1: no split)
+
+
+def _sm_count() -> int:
+  try:
+    return int(jax.devices("gpu")[0].core_count)
+  except (RuntimeError, AttributeError, IndexError, TypeError):
+    return _DEFAULT_SMS
+
+
+def plan(q_shape, k_shape, config, has_segments: bool, sm_count: int | None = None) -> Plan | None:
+  """How to run a forward of these shapes, or None for the plain kernel call."""
+  if has_segments or config.window_left != -1 or config.window_right != -1:
+    return None
+  T, N, _ = q_shape[-3:]
+  S, K, _ = k_shape[-3:]
+  groups = N // K
+  if T * groups > MAX_PACKED_ROWS:
+    return None
+  items = 1
+  for extent in jnp.broadcast_shapes(q_shape[:-3], k_shape[:-3]):
+    items *= extent
+  target = CTAS_PER_SM * (sm_count or _sm_count())
+  min_chunk = max(MIN_CHUNK, min(LONG_CHUNK, S // 16))
+  splits = 1
+  while (items * K * 2 * splits <= target and S % (2 * splits * CHUNK_QUANTUM) == 0
+         and S // (2 * splits) >= min_chunk):
+    splits *= 2
+  if splits == 1 and groups == 1:
+    return None
+  return Plan(groups, splits)
+
+
+def _merge(out, lse):
+  """The exact combination of the chunks' partial results: out (..., P, rows, K, H) and
+  lse (..., P, K, rows) -> (..., rows, K, H) and (..., K, rows)."""
+  total = jax.nn.logsumexp(lse, axis=-3)
+  live = jnp.isfinite(total)[..., None, :, :]
+  safe = jnp.where(live, total[..., None, :, :], 0)
+  weight = jnp.where(live, jnp.exp(lse - safe), 0)  # (..., P, K, rows)
+  weight = jnp.swapaxes(weight, -1, -2)[..., None]  # (..., P, rows, K, 1)
+  acc = _config.accumulation_dtype(out.dtype)
+  return jnp.sum(out.astype(acc) * weight, axis=-4).astype(out.dtype), total
+
+
+def forward(p: Plan, call, q, k, v, q_len, kv_len):
+  """(out, lse) of the attention of q against k, v by `p`, where `call(q, k, v, q_len, kv_len)`
+  runs the forward kernel on operands with any number of leading batch axes."""
+  T, N, H = q.shape[-3:]
+  S, K, _ = k.shape[-3:]
+  G = p.groups
+  batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3],
+                               *(x.shape for x in (q_len, kv_len) if x is not None))
+  # Query heads k*G + g -> rows t*G + g of head k.
+  rows = q.reshape(q.shape[:-2] + (K, G, H))
+  rows = jnp.swapaxes(rows, -3, -2).reshape(q.shape[:-3] + (T * G, K, H))
+  if q_len is not None:
+    q_len = jnp.broadcast_to(q_len * G, batch)
+  P, C = p.splits, S // p.splits
+  # Chunk c of the keys is batch item c of a new axis; the queries broadcast over it.
+  chunk = lambda x: x.reshape(x.shape[:-3] + (P, C) + x.shape[-2:])
+  k, v = chunk(k), chunk(v)
+  rows = rows[..., None, :, :, :]
+  if q_len is not None:
+    q_len = jnp.broadcast_to(q_len[..., None], batch + (P,))
+  if kv_len is not None:
+    starts = jnp.arange(P, dtype=jnp.int32) * C
+    kv_len = jnp.clip(jnp.broadcast_to(kv_len, batch)[..., None] - starts, 0, C).astype(
+        jnp.int32)
+  out, lse = call(rows, k, v, q_len, kv_len)  # (batch..., P, T*G, K, H), (batch..., P, K, T*G)
+  out, lse = _merge(out, lse)
+  out = jnp.swapaxes(out.reshape(out.shape[:-3] + (T, G, K, H)), -3, -2)
+  lse = jnp.swapaxes(lse.reshape(lse.shape[:-2] + (K, T, G)), -2, -1)
+  return out.reshape(out.shape[:-3] + (N, H)), lse.reshape(lse.shape[:-3] + (N, T))

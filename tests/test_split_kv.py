@@ -1,0 +1,114 @@
+"""The forward of decoding shapes (few query rows against many keys): key/value split into
+chunks merged through their log-sum-exps, query heads of a group packed into rows
+(jax_flash/_split_kv.py). The GPU routes such calls there by itself; on the CPU the same
+transformation runs around the CPU kernel, called directly, against the plain kernel call."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_flash import _primitive, _split_kv
+from jax_flash._validation import AttentionConfig
+
+from _harness import Case, check_forward, check_gradients
+
+PLAIN = AttentionConfig(scale=0.25, window_left=-1, window_right=-1)
+
+
+def _inputs(B, T, S, N, K, H, dtype, seed=0):
+  rng = np.random.default_rng(seed)
+  q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype)
+             for shape in ((B, T, N, H), (B, S, K, H), (B, S, K, H)))
+  return q, k, v
+
+
+@pytest.mark.parametrize("groups,splits", [(1, 2), (4, 1), (4, 8), (2, 4)])
+@pytest.mark.parametrize("lengths", [False, True])
+def test_split_and_packed_forward_equals_the_plain_call(groups, splits, lengths):
+  """The transformation around the CPU kernel gives the plain call's output and log-sum-exp,
+  with ragged lengths (an item without keys, one ending inside a chunk, one without queries)."""
+  B, T, S, K, H = 3, 3, 1024, 2, 16
+  q, k, v = _inputs(B, T, S, K * groups, K, H, jnp.float32)
+  q_len = jnp.asarray([T, 2, 0], jnp.int32) if lengths else None
+  kv_len = jnp.asarray([0, 300, S], jnp.int32) if lengths else None
+  call = functools.partial(_primitive._forward_call, PLAIN)
+  want_out, want_lse = jax.jit(call)(q, k, v, None, None, q_len, kv_len, None, None)
+
+  def split(q, k, v):
+    return _split_kv.forward(_split_kv.Plan(groups, splits),
+                             lambda q, k, v, q_len, kv_len: call(q, k, v, None, None, q_len,
+                                                                 kv_len, None, None),
+                             q, k, v, q_len, kv_len)
+
+  out, lse = jax.jit(split)(q, k, v)
+  assert out.shape == want_out.shape and lse.shape == want_lse.shape
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+  np.testing.assert_allclose(np.where(np.isneginf(want_lse), 0, lse),
+                             np.where(np.isneginf(want_lse), 0, want_lse), rtol=0, atol=2e-6)
+  np.testing.assert_allclose(out, want_out, rtol=0, atol=2e-6)
+
+
+def test_plan_splits_until_the_gpu_is_full():
+  # Split (doubling) while the doubled split gives at most 2 x 132 CTAs and chunks of at
+  # least S / 16 keys within [256, 1024].
+  assert _split_kv.plan((1, 1, 16, 128), (1, 65536, 2, 128), PLAIN, False, 132) == \
+      _split_kv.Plan(groups=8, splits=64)  # chunks of 1024
+  assert _split_kv.plan((1, 4, 16, 128), (1, 8192, 2, 128), PLAIN, False, 132) == \
+      _split_kv.Plan(groups=8, splits=16)  # chunks of 512 = S / 16
+  assert _split_kv.plan((4, 1, 16, 128), (4, 8192, 8, 128), PLAIN, False, 132) == \
+      _split_kv.Plan(groups=2, splits=8)  # 256 CTAs
+  assert _split_kv.plan((1, 1, 32, 128), (1, 4096, 8, 128), PLAIN, False, 132) == \
+      _split_kv.Plan(groups=4, splits=16)  # chunks of 256
+  # Enough items already: only the packing.
+  assert _split_kv.plan((64, 1, 32, 128), (64, 8192, 8, 128), PLAIN, False, 132) == \
+      _split_kv.Plan(groups=4, splits=1)
+  # A key length that does not cut into whole key blocks is not split.
+  assert _split_kv.plan((1, 1, 4, 64), (1, 5000, 4, 64), PLAIN, False, 132) is None
+
+
+@pytest.mark.parametrize("case", ["causal", "window", "segments", "many rows", "no gain"])
+def test_plan_leaves_other_calls_alone(case):
+  q, k = (1, 2, 8, 64), (1, 65536, 2, 64)
+  config, segments = PLAIN, False
+  if case == "causal":
+    config = AttentionConfig(scale=0.25, window_left=-1, window_right=0)
+  elif case == "window":
+    config = AttentionConfig(scale=0.25, window_left=100, window_right=-1)
+  elif case == "segments":
+    segments = True
+  elif case == "many rows":
+    q = (1, 17, 8, 64)  # 17 * 4 packed rows > 64
+  else:
+    q, k = (64, 1, 8, 64), (64, 4096, 8, 64)  # 512 CTAs, one head per group
+  assert _split_kv.plan(q, k, config, segments, 132) is None
+
+
+DECODE_CASES = [
+    Case(T=1, S=8192, B=2, N=8, K=2, H=128, kv_lens=(8192, 3001)),
+    Case(T=4, S=16384, B=1, N=32, K=8, H=128, q_lens=(3,), kv_lens=(9000,)),
+    Case(T=16, S=4096, B=3, N=8, K=2, H=64, kv_lens=(0, 4096, 1000)),
+    Case(T=2, S=8192, B=None, N=4, K=4, H=64),
+    Case(T=1, S=8192, B=2, N=8, K=1, H=256, softcap=30.0, kv_lens=(5000, 8192)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=str)
+def test_gpu_decode_shapes(case, dtype):
+  """Decoding shapes run split and packed on the GPU: output and log-sum-exp against the
+  float64 definition, and the gradients (the plain backward, from the merged log-sum-exp)."""
+  from conftest import require_gpu
+
+  require_gpu()
+  case = case.replace(dtype=dtype)
+  q_shape = (case.batch, case.T, case.N, case.H)
+  k_shape = (case.batch, case.S, case.kv_heads, case.H)
+  assert _split_kv.plan(q_shape, k_shape, PLAIN, False) is not None, "not a decoding shape"
+  check_forward(case, "gpu")
+  check_gradients(case, "gpu")
