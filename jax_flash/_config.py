@@ -28,14 +28,16 @@ class Sm90ForwardTile:
   block_m: int
   block_n: int
   stages: int
-  # Problems this tile runs instead of its head dim's default (the tile with neither): causal
-  # ones of at most this many query rows (0: none), and those with segment ids.
+  # Problems this tile runs instead of its head dim's default (the tile with none): causal
+  # ones of at most this many query rows (0: none), those with segment ids, and those of at
+  # most this many query rows (0: none).
   prefer_causal_up_to: int = 0
   prefer_segment_ids: bool = False
+  prefer_rows_up_to: int = 0
 
   @property
   def is_default(self) -> bool:
-    return not self.prefer_causal_up_to and not self.prefer_segment_ids
+    return not (self.prefer_causal_up_to or self.prefer_segment_ids or self.prefer_rows_up_to)
 
 
 @dataclasses.dataclass(frozen=True)

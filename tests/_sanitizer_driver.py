@@ -10,8 +10,8 @@ CTA walks several tiles, grouped-query heads, sizes that are not multiples of an
 compiled dtype, the backward's ordered (deterministic) dQ reduction, logit soft-capping
 (its own instantiation of each tile; causal, ragged) and segment ids (sorted and not; their
 own instantiations, with and without soft-capping). A head dim with several forward tiles
-runs its causal and segment-id cases on the tile that prefers them (kernel_configs.json) and
-the others on its default. Each case also runs
+runs its causal, segment-id and few-row cases (decoding among them) on the tile that prefers
+them (kernel_configs.json) and the others on its default. Each case also runs
 the gradients (the backward's three kernels). Every output and gradient is checked to be
 finite, so a kernel that reads garbage fails here too.
 """
@@ -45,6 +45,14 @@ def cases():
       # The same on the tile this head dim prefers for short causal rows.
       yield dict(H=H, dtype=dtypes[0], is_causal=True, window=None, lengths="mostly_empty",
                  B=24, N=16, K=4, grads=False)
+    if any(t.prefer_rows_up_to for t in _config.SM90_FORWARD_TILES if t.head_dim == H):
+      # Few query rows (the tile this head dim prefers for them), and a decoding step: one
+      # row against split keys (jax_flash/_split_kv.py), its 4 query heads per key/value head
+      # packed into rows.
+      yield dict(H=H, dtype=dtypes[1 % len(dtypes)], is_causal=False, window=None,
+                 lengths=None, T=13)
+      yield dict(H=H, dtype=dtypes[0], is_causal=False, window=None, lengths="ragged", T=1,
+                 S=2048, N=8, K=2)
     if "softcap" in _config.SM90_FORWARD.features | _config.SM90_BACKWARD.features:
       yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=True, window=None,
                  lengths="ragged", softcap=2.0)

@@ -94,10 +94,12 @@ Status RunForwardForDtype(const ForwardParams& p, const LaunchContext& context) 
 
 //! Whether a forward tile's preferences (kernel_configs.json) name the problem `p`. A tile with
 //! none is its head dim's default.
-bool ForwardTilePrefers(const ForwardParams& p, int64_t causal_up_to, bool segment_ids) {
+bool ForwardTilePrefers(const ForwardParams& p, int64_t causal_up_to, bool segment_ids,
+                        int64_t rows_up_to) {
   const bool causal = p.options.window_right == 0;
   return (causal_up_to > 0 && causal && p.shape.seqlen_q <= causal_up_to) ||
-         (segment_ids && p.q_segment_ids.present());
+         (segment_ids && p.q_segment_ids.present()) ||
+         (rows_up_to > 0 && p.shape.seqlen_q <= rows_up_to);
 }
 
 template <int kTileHeadDim>
@@ -139,17 +141,18 @@ Status RunForward(const ForwardParams& params, const LaunchContext& context) {
   // Tiles are listed by ascending head dim: the first head dim that covers the problem's runs
   // it, on the first of its tiles whose preference the problem meets, else on its default.
   int64_t tile_head_dim = 0;
-#define JAX_FLASH_FIND_HEAD_DIM(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS) \
+#define JAX_FLASH_FIND_HEAD_DIM(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO) \
   if (tile_head_dim == 0 && params.shape.head_dim <= HEAD_DIM) tile_head_dim = HEAD_DIM;
   JAX_FLASH_SM90_FORWARD_TILES(JAX_FLASH_FIND_HEAD_DIM)
 #undef JAX_FLASH_FIND_HEAD_DIM
-#define JAX_FLASH_TRY_PREFERRED(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS) \
-  if (tile_head_dim == HEAD_DIM && ForwardTilePrefers(params, CAUSAL_UP_TO, SEGMENT_IDS)) \
+#define JAX_FLASH_TRY_PREFERRED(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO) \
+  if (tile_head_dim == HEAD_DIM &&                                                        \
+      ForwardTilePrefers(params, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO))                  \
     return RunForwardForDtype<HEAD_DIM, BLOCK_M>(params, context);
   JAX_FLASH_SM90_FORWARD_TILES(JAX_FLASH_TRY_PREFERRED)
 #undef JAX_FLASH_TRY_PREFERRED
-#define JAX_FLASH_TRY_DEFAULT(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS) \
-  if (tile_head_dim == HEAD_DIM && CAUSAL_UP_TO == 0 && !SEGMENT_IDS)  \
+#define JAX_FLASH_TRY_DEFAULT(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO) \
+  if (tile_head_dim == HEAD_DIM && CAUSAL_UP_TO == 0 && !SEGMENT_IDS && ROWS_UP_TO == 0)  \
     return RunForwardForDtype<HEAD_DIM, BLOCK_M>(params, context);
   JAX_FLASH_SM90_FORWARD_TILES(JAX_FLASH_TRY_DEFAULT)
 #undef JAX_FLASH_TRY_DEFAULT
