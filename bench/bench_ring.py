@@ -155,26 +155,31 @@ def _local_stand_in(tree):
 
 
 @contextlib.contextmanager
+def _ring_patched(**methods):
+  """While tracing: the ring's methods named here replaced (restored afterwards)."""
+  from jax_flash import _ring
+
+  saved = {name: getattr(_ring.Ring, name) for name in methods}
+  for name, f in methods.items():
+    setattr(_ring.Ring, name, f)
+  try:
+    yield
+  finally:
+    for name, f in saved.items():
+      setattr(_ring.Ring, name, f)
+
+
 def one_device_of_the_ring(device: int, size: int):
   """While tracing: the ring runs on this one device as its device `device` of `size` would,
   transfers left out: its index is fixed, a transfer's result is `_local_stand_in`, gathering
   repeats the local shard `size` times and the scattered sum keeps the first shard's rows."""
   import jax.numpy as jnp
 
-  from jax_flash import _ring
-
-  saved = {name: getattr(_ring.Ring, name) for name in
-           ("index", "pass_on", "gather", "scatter_sum")}
-  _ring.Ring.index = lambda self: jnp.int32(device)
-  _ring.Ring.pass_on = lambda self, tree: _local_stand_in(tree)
-  _ring.Ring.gather = lambda self, x, axis: None if x is None else jnp.concatenate(
-      [x] * size, axis=axis)
-  _ring.Ring.scatter_sum = lambda self, x, axis: jnp.split(x, size, axis=axis)[0]
-  try:
-    yield
-  finally:
-    for name, f in saved.items():
-      setattr(_ring.Ring, name, f)
+  return _ring_patched(
+      index=lambda self: jnp.int32(device),
+      pass_on=lambda self, tree: _local_stand_in(tree),
+      gather=lambda self, x, axis: None if x is None else jnp.concatenate([x] * size, axis=axis),
+      scatter_sum=lambda self, x, axis: jnp.split(x, size, axis=axis)[0])
 
 
 def simulate(c: Cell, args, platform: str) -> dict:
@@ -223,18 +228,10 @@ def simulate(c: Cell, args, platform: str) -> dict:
               flops_per_s_per_device=flops(c, N, H) / (ms * 1e-3) / c.devices)
 
 
-@contextlib.contextmanager
 def transfers_left_out():
   """While tracing: the ring passes nothing on; each device computes on `_local_stand_in` of
   the shard it holds instead of the next device's."""
-  from jax_flash import _ring
-
-  pass_on = _ring.Ring.pass_on
-  _ring.Ring.pass_on = lambda self, tree: _local_stand_in(tree)
-  try:
-    yield
-  finally:
-    _ring.Ring.pass_on = pass_on
+  return _ring_patched(pass_on=lambda self, tree: _local_stand_in(tree))
 
 
 def _intervals_union(intervals):

@@ -124,26 +124,16 @@ class Ring:
     """The Blocks of local query chunk `i` (`rows` long) against local key/value chunk `j`
     (`cols` long) of the shard received `step` steps ago, over the ring's devices: the
     distinct Blocks (None: nothing visible) and, per device, the index of its own."""
-    distinct, index = [], []
-    for device in range(self.size):
-      q_id = self.chunk_ids(device)[i]
-      kv_id = self.chunk_ids((device - step) % self.size)[j]
-      block = Block.of(self.config, q_id * rows - kv_id * cols, rows, cols)
-      if block not in distinct:
-        distinct.append(block)
-      index.append(distinct.index(block))
-    return distinct, index
+    return _distinct([
+        Block.of(self.config, self.chunk_ids(device)[i] * rows
+                 - self.chunk_ids((device - step) % self.size)[j] * cols, rows, cols)
+        for device in range(self.size)])
 
   def gathered_blocks(self, i: int, rows: int, cols: int):
     """As `blocks`, for local query chunk `i` against the whole key/value sequence (`cols`
     long, gathered in its natural order)."""
-    distinct, index = [], []
-    for device in range(self.size):
-      block = Block.of(self.config, self.chunk_ids(device)[i] * rows, rows, cols)
-      if block not in distinct:
-        distinct.append(block)
-      index.append(distinct.index(block))
-    return distinct, index
+    return _distinct([Block.of(self.config, self.chunk_ids(device)[i] * rows, rows, cols)
+                      for device in range(self.size)])
 
   def gather(self, x, axis: int):
     """`x`'s shards of the whole ring, concatenated along `axis` in the sequence's natural
@@ -166,10 +156,15 @@ class Ring:
     return jax.tree.map(lambda x: lax.ppermute(x, self.axis_name, perm), tree)
 
 
-def choose_exchange(q_shape, k_shape, size: int) -> str:
+def _distinct(per_device: list):
+  """(the distinct entries of `per_device` in first-seen order, each device's index into them)."""
+  distinct = list(dict.fromkeys(per_device))
+  return distinct, [distinct.index(x) for x in per_device]
+
+
+def choose_exchange(q_shape, k_shape) -> str:
   """The key/value exchange used when the caller names none: ALL_GATHER where key/value are
   small next to the queries (at least 4 query heads per key/value head), RING otherwise."""
-  del size
   return ALL_GATHER if 4 * k_shape[-2] <= q_shape[-2] else RING
 
 

@@ -467,10 +467,9 @@ def _ring_call(kind: _Kind, spec: CallSpec, plan: _Plan, impl: Callable, operand
   """The call of `kind` on this device's sequence shards, as ring attention over the plan's
   sequence axes; each block runs `impl` (the platform's kernels) on one pair of shards."""
   axes = plan.seq_axes
-  size = plan._size(axes)
   q, k = operands[:2]
-  ring = _ring.Ring(axes[0] if len(axes) == 1 else axes, size, spec.config,
-                    exchange=_ring.choose_exchange(q.shape, k.shape, size))
+  ring = _ring.Ring(axes[0] if len(axes) == 1 else axes, plan._size(axes), spec.config,
+                    exchange=_ring.choose_exchange(q.shape, k.shape))
 
   def block_spec(config):
     return dataclasses.replace(spec, config=config)

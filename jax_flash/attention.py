@@ -206,7 +206,7 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
     raise ValueError(f"ring_attention must run inside shard_map over a mesh axis named "
                      f"{axis_name!r}") from err
   if kv_exchange is None:
-    kv_exchange = _ring.choose_exchange(q.shape, k.shape, size)
+    kv_exchange = _ring.choose_exchange(q.shape, k.shape)
   ring = _ring.Ring(axis_name, size, call.config, layout, kv_exchange)
   out, lse = _primitive.ring_attention(ring, q, k, v, call.query_seq_lengths,
                                        call.key_value_seq_lengths, call.query_segment_ids,

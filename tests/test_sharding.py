@@ -458,7 +458,7 @@ else:
       pytest.skip("jit splits the sequence in its natural, contiguous order")
     # Under jit the key/value exchange follows jax_flash's rule.
     exchange = s.exchange if entry == "shard_map" else _ring.choose_exchange(
-        (s.B, s.T, s.N, HEAD_DIM), (s.B, s.S, s.K, HEAD_DIM), s.ring)
+        (s.B, s.T, s.N, HEAD_DIM), (s.B, s.S, s.K, HEAD_DIM))
     mesh = _ring_mesh(s)
     rng = np.random.default_rng(7)
     q = jnp.asarray(rng.standard_normal((s.B, s.T, s.N, HEAD_DIM)), DTYPE)
