@@ -719,6 +719,22 @@ def save_results(data: dict, out: str, stem: str, table: list[str], plot_fn) -> 
     print("matplotlib not installed: no plot")
 
 
+def grouped_bars(ax, groups: list, series: list, value, unit: str, title: str,
+                 label_size: int = 10) -> None:
+  """The smaller benchmarks' panel: for each group a bar per series, value(series, group) high
+  (0 where there is none), with a legend of the series."""
+  width = 0.8 / max(len(series), 1)
+  for j, name in enumerate(series):
+    ax.bar([i + j * width for i in range(len(groups))],
+           [value(name, group) for group in groups], width, label=name)
+  ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
+  ax.set_xticklabels([str(g) for g in groups], fontsize=label_size)
+  ax.set_title(title)
+  ax.set_ylabel(f"{unit} (visible work)")
+  ax.grid(True, axis="y", alpha=0.3)
+  ax.legend(fontsize=8)
+
+
 def plot(data: dict, path: Path) -> None:
   import matplotlib
 

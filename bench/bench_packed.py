@@ -153,19 +153,12 @@ def plot(data: dict, path: Path) -> None:
   impls = [i for i in IMPLS if any(r["impl"] == i and not r.get("error")
                                    for r in data["results"])]
   head_dims = sorted({r["H"] for r in data["results"]})
-  width = 0.8 / max(len(impls), 1)
   for ax, mode in zip(axes[0], modes):
-    for j, impl in enumerate(impls):
-      values = [next((r["flops_per_s"] / scale for r in data["results"]
-                      if r["impl"] == impl and r["mode"] == mode and r["H"] == H
-                      and not r.get("error")), 0.0) for H in head_dims]
-      ax.bar([i + j * width for i in range(len(head_dims))], values, width, label=impl)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(head_dims))])
-    ax.set_xticklabels([f"H={H}" for H in head_dims])
-    ax.set_title(mode)
-    ax.set_ylabel(f"{unit} (visible work)")
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
+    def value(impl, group, mode=mode):
+      return next((r["flops_per_s"] / scale for r in data["results"]
+                   if r["impl"] == impl and r["mode"] == mode and f"H={r['H']}" == group
+                   and not r.get("error")), 0.0)
+    bench_attention.grouped_bars(ax, [f"H={H}" for H in head_dims], impls, value, unit, mode)
   fig.suptitle(f"packed rows | {meta['device_kind']} | {meta['docs']} documents x "
                f"{meta['doc_len']} tokens, N={meta['heads']}, {meta['dtype']}, causal",
                fontsize=10)

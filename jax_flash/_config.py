@@ -58,16 +58,25 @@ class Sm90BackwardTile:
 class Kernel:
   """One compiled kernel: its tiles and its optional features: the logit arrays it reads
   ("bias", "mask"), whether it soft-caps logits ("softcap") and whether it takes segment ids
-  ("segment_ids")."""
+  ("segment_ids"); those in `alone` it takes only without the others."""
   tiles: tuple
   features: frozenset
+  alone: frozenset = frozenset()
 
   def takes(self, *, bias: bool, mask: bool, softcap: bool, segment_ids: bool) -> bool:
     """Whether a call with (or without) bias and mask arrays, logit soft-capping and segment
     ids runs on this kernel."""
     wanted = (("bias", bias), ("mask", mask), ("softcap", softcap),
               ("segment_ids", segment_ids))
-    return all(not used or name in self.features for name, used in wanted)
+    used = {name for name, on in wanted if on}
+    return used <= self.features and (len(used) <= 1 or not used & self.alone)
+
+  def tile_for(self, head_dim: int):
+    """The tile of the smallest compiled head dim that covers `head_dim`; of a forward's
+    several, the default (the one a problem with a mask array runs on)."""
+    covering = min(t.head_dim for t in self.tiles if t.head_dim >= head_dim)
+    tiles = [t for t in self.tiles if t.head_dim == covering]
+    return tiles[0] if len(tiles) == 1 else next(t for t in tiles if t.is_default)
 
 
 def _dtype(name: str) -> np.dtype:
@@ -77,7 +86,8 @@ def _dtype(name: str) -> np.dtype:
 
 
 def _kernel(entry: dict, tile_type) -> Kernel:
-  return Kernel(tuple(tile_type(**row) for row in entry["tiles"]), frozenset(entry["features"]))
+  return Kernel(tuple(tile_type(**row) for row in entry["tiles"]), frozenset(entry["features"]),
+                frozenset(entry.get("features_alone", ())))
 
 
 CPU_DTYPES = tuple(_dtype(d) for d in _TABLE["cpu"]["dtypes"])

@@ -1,9 +1,16 @@
 """The FFI calls, their batching, partitioning and custom_vjp.
 
-Forward:  jax_flash_fwd(q, k, v, [bias], [mask], [q_len], [kv_len], [segments])
+Forward:  jax_flash_fwd(q, k, v, [bias], [mask], [mask_tiles], [q_len], [kv_len], [segments])
           -> (out, lse (B, N, T))
-Backward: jax_flash_bwd(q, k, v, out, lse, dout, dlse, [bias], [mask], [q_len], [kv_len],
-          [segments]) -> (dq, dk, dv, [dbias])
+Backward: jax_flash_bwd(q, k, v, out, lse, dout, dlse, [bias], [mask], [mask_tiles], [q_len],
+          [kv_len], [segments]) -> (dq, dk, dv, [dbias])
+
+where [mask_tiles], passed to the Hopper kernels with a mask (attribute has_mask_blocks), is
+two operands (`_mask_tiles`): the class of every (query block, key block) of the mask for the
+pass's tile (0 when the block keeps no logit, 2 when it keeps all, 1 otherwise) and the mask
+packed as bits along the pass's rows (queries forward, keys backward). The kernels skip the
+empty blocks and read the bits only in the partial ones, so a causal, padding or document
+mask costs little more than the structured arguments would.
 
 where [segments], present with segment ids (attribute has_segment_ids), is four operands:
 q_seg (B, T) and kv_seg (B, S), the ids, and kv_span (B, T, 2) and q_span (B, S, 2), computed
@@ -62,7 +69,7 @@ from ._validation import AttentionConfig, gpu_kernels_run
 
 
 
-def _attributes(config: AttentionConfig, bias, mask, q_len, kv_len, q_seg) -> dict:
+def _attributes(config: AttentionConfig, bias, mask, mask_tiles, q_len, kv_len, q_seg) -> dict:
   # XLA FFI attributes are typed exactly: float64 scale and softcap, int64 windows, bool flags.
   return dict(
       scale=np.float64(config.scale),
@@ -71,6 +78,7 @@ def _attributes(config: AttentionConfig, bias, mask, q_len, kv_len, q_seg) -> di
       window_right=np.int64(config.window_right),
       has_bias=bias is not None,
       has_mask=mask is not None,
+      has_mask_blocks=bool(mask_tiles),
       has_q_seqlens=q_len is not None,
       has_kv_seqlens=kv_len is not None,
       has_segment_ids=q_seg is not None,
@@ -127,15 +135,77 @@ def _segments(q_seg, kv_seg) -> list:
   return [q_seg, kv_seg, _spans(q_seg, kv_seg), _spans(kv_seg, q_seg)]
 
 
-def _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
+def _mask_blocks(mask, tile):
+  """The classes of the mask's (tile.block_m x tile.block_n) blocks, (batch..., N|1, MB|1,
+  SB|1) int8: 0 no logit kept, 1 some, 2 all; one block along an axis the mask broadcasts.
+  Positions past the sequence ends count as neither kept nor dropped."""
+  *lead, T, S = mask.shape
+  bm = tile.block_m if T > 1 else 1
+  bn = tile.block_n if S > 1 else 1
+  MB, SB = -(-T // bm), -(-S // bn)
+  padded = jnp.pad(mask, [(0, 0)] * len(lead) + [(0, MB * bm - T), (0, SB * bn - S)])
+  # Kept pairs per block, summed along the contiguous key axis first.
+  per_row = padded.reshape(*lead, MB * bm, SB, bn).sum(-1, dtype=jnp.int32)
+  kept = per_row.reshape(*lead, MB, bm, SB).sum(-2)
+  # From iotas, not numpy arrays: custom_partitioning's implementation may capture no constants.
+  pairs = (jnp.minimum(bm, T - bm * lax.iota(jnp.int32, MB))[:, None] *
+           jnp.minimum(bn, S - bn * lax.iota(jnp.int32, SB))[None, :])
+  return jnp.where(kept == pairs, 2, (kept > 0).astype(jnp.int8)).astype(jnp.int8)
+
+
+def _mask_bits(mask, T, S, rows_are_keys):
+  """The mask's rows as bits, (batch..., N|1, rows|1, ceil(columns / 32)) uint32, bit j % 32
+  of word j / 32 holding column j: rows are queries (T) and columns keys (S), or the reverse
+  with rows_are_keys. A row axis the mask broadcasts stays one row; a broadcast column axis
+  gives whole words of its one bit (the bits past the last column are 0 otherwise)."""
+  axis = -2 if rows_are_keys else -1  # the columns' axis in the mask
+  cols = T if rows_are_keys else S
+  words = -(-cols // 32)
+  if mask.shape[axis] == 1 and cols > 1:
+    shape = list(mask.shape)
+    shape[axis] = words
+    bits = jnp.broadcast_to(jnp.where(mask, jnp.uint32(0xFFFFFFFF), jnp.uint32(0)), shape)
+  else:
+    pad = [(0, 0)] * mask.ndim
+    pad[axis] = (0, words * 32 - cols)
+    padded = jnp.pad(mask, pad)
+    if rows_are_keys:  # packed along the queries in place; only the packed words transposed
+      shifts = lax.iota(jnp.uint32, 32)[:, None]
+      split = padded.reshape(*mask.shape[:-2], words, 32, mask.shape[-1]).astype(jnp.uint32)
+      bits = jnp.sum(split << shifts, axis=-2, dtype=jnp.uint32)
+    else:
+      split = padded.reshape(*mask.shape[:-1], words, 32).astype(jnp.uint32)
+      bits = jnp.sum(split << lax.iota(jnp.uint32, 32), axis=-1, dtype=jnp.uint32)
+  return jnp.swapaxes(bits, -1, -2) if rows_are_keys else bits
+
+
+def _mask_tiles(mask, tile, T, S, rows_are_keys):
+  """The Hopper pass's mask operands [mask_blocks, mask_bits] for its tile (rows: queries in
+  the forward, keys in the backward); none without a mask. Computed on the device, not folded
+  into constants: for a mask built from shapes alone (causal, Flax's make_causal_mask) XLA
+  would otherwise fold these reductions at compile time, seconds per million blocks' elements,
+  where the device takes microseconds."""
+  if mask is None:
+    return []
+  mask = lax.optimization_barrier(mask)
+  return [_mask_blocks(mask, tile), _mask_bits(mask, T, S, rows_are_keys)]
+
+
+def _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, *, mask_tile=None):
+  """The forward FFI call. With mask_tile (the CUDA handler's tile for the problem) a mask
+  travels with its operands for the Hopper kernels (`_mask_tiles`)."""
   _extension.ensure_registered()
   batch = _batch_shape(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
   T, N, _ = q.shape[-3:]
   result_types = (jax.ShapeDtypeStruct(batch + q.shape[-3:], q.dtype),
                   jax.ShapeDtypeStruct(batch + (N, T), _config.accumulation_dtype(q.dtype)))
   call = jax.ffi.ffi_call(_extension.FORWARD_TARGET, result_types, vmap_method="expand_dims")
-  operands = (q, k, v, *_present(bias, mask, q_len, kv_len), *_segments(q_seg, kv_seg))
-  results = call(*operands, **_attributes(config, bias, mask, q_len, kv_len, q_seg))
+  tiles = []
+  if mask_tile is not None:
+    tiles = _mask_tiles(mask, mask_tile, T, k.shape[-3], rows_are_keys=False)
+  operands = (q, k, v, *_present(bias, mask), *tiles, *_present(q_len, kv_len),
+              *_segments(q_seg, kv_seg))
+  results = call(*operands, **_attributes(config, bias, mask, tiles, q_len, kv_len, q_seg))
   return tuple(_varying.varying_like(results, *operands))
 
 
@@ -143,7 +213,8 @@ def _backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_
                    kv_seg, *, gpu_workspace=False):
   """The backward FFI call. With gpu_workspace (the CUDA handler) one more result: the Hopper
   backward's workspace, which XLA allocates with the call's other buffers and which is dropped
-  here (a temporary of the compiled program)."""
+  here (a temporary of the compiled program); a mask then travels with its operands for the
+  Hopper kernels (`_mask_tiles`)."""
   _extension.ensure_registered()
   batch = _batch_shape(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg, kv_seg)
   rank = len(batch)
@@ -160,10 +231,15 @@ def _backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_
     result_types.append(jax.ShapeDtypeStruct((nbytes,), np.uint8))
   call = jax.ffi.ffi_call(_extension.BACKWARD_TARGET, tuple(result_types),
                           vmap_method="expand_dims")
-  operands = (q, k, v, out, lse, dout, dlse, *_present(bias, mask, q_len, kv_len),
-              *_segments(q_seg, kv_seg))
+  tiles = []
+  if gpu_workspace:
+    tiles = _mask_tiles(mask, _config.SM90_BACKWARD.tile_for(q.shape[-1]), q.shape[-3],
+                        k.shape[-3], rows_are_keys=True)
+  operands = (q, k, v, out, lse, dout, dlse, *_present(bias, mask), *tiles,
+              *_present(q_len, kv_len), *_segments(q_seg, kv_seg))
   grads = _varying.varying_like(
-      call(*operands, **_attributes(config, bias, mask, q_len, kv_len, q_seg)), *operands)
+      call(*operands, **_attributes(config, bias, mask, tiles, q_len, kv_len, q_seg)),
+      *operands)
   dq, dk, dv = grads[:3]
   return dq, dk, dv, (grads[3] if bias is not None else None)
 
@@ -262,7 +338,8 @@ def _gpu_forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
   if bias is None and mask is None:
     plan = _split_kv.plan(q.shape, k.shape, config, q_seg is not None)
   if plan is None:
-    return _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
+    return _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg,
+                         mask_tile=_config.SM90_FORWARD.tile_for(q.shape[-1]))
 
   def call(q, k, v, q_len, kv_len):
     return _forward_call(config, q, k, v, None, None, q_len, kv_len, None, None)

@@ -36,8 +36,10 @@ Semantics, argument by argument:
   broadcast, nothing of size ``q_length x kv_length`` is formed beyond the mask itself).
 * ``bias``: additive, broadcastable like ``mask``; differentiable.
 * ``is_causal`` (nnx's call argument) and the factory's ``is_causal`` /
-  ``local_window_size`` are applied on top of any mask: a mask is never dropped. For the
-  kernels' fastest path pass no mask and let ``is_causal`` express causality.
+  ``local_window_size`` are applied on top of any mask: a mask is never dropped. On the GPU a
+  mask runs in the kernels, which skip the blocks it empties; still, the fastest path passes no
+  mask and lets ``is_causal`` (and segment ids for packed documents) express it, which saves
+  reading the mask.
 * The factory's ``logits_soft_cap`` soft-caps the logits (Gemma 2) before bias and masks, a
   jax_flash extension that flax's own attention does not have.
 * ``query_segment_ids``, ``key_value_segment_ids``: integer ``(batch..., q_length)`` and

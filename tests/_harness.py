@@ -591,3 +591,19 @@ def blockwise_grads(run):
     return grads, ((out, lse) if through_lse else out)
 
   return grad_fn
+
+
+def check_ordered_dq_reduction(q, k, v, **options):
+  """jax_flash's gradients with the ordered dQ reduction (deterministic=True), for a loss that
+  weighs every query row differently: bit-identical from run to run, and equal to the unordered
+  reduction's within rounding of the sums' order."""
+  def grads(deterministic):
+    def loss(q, k, v):
+      out = jax_flash.dot_product_attention(q, k, v, deterministic=deterministic, **options)
+      return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.shape[1]))[:, None, None])
+    return [np.asarray(g.astype(jnp.float32)) for g in jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)]
+
+  first, second, unordered = grads(True), grads(True), grads(False)
+  for a, b, c in zip(first, second, unordered):
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(a, c, rtol=2e-2, atol=2e-2 * np.abs(c).max())

@@ -9,7 +9,9 @@ lengths (zero and past the end included), mostly empty batch items over a grid w
 CTA walks several tiles, grouped-query heads, sizes that are not multiples of any tile, every
 compiled dtype, the backward's ordered (deterministic) dQ reduction, logit soft-capping
 (its own instantiation of each tile; causal, ragged) and segment ids (sorted and not; their
-own instantiations, with and without soft-capping). A head dim with several forward tiles
+own instantiations, with and without soft-capping) and mask arrays (their own instantiations
+on each head dim's default tile: empty, full and partial blocks, per head with grouped heads,
+and under the ordered dQ reduction, which visits the empty ones). A head dim with several forward tiles
 runs its causal, segment-id and few-row cases (decoding among them) on the tile that prefers
 them (kernel_configs.json) and the others on its default. Each case also runs
 the gradients (the backward's three kernels). Every output and gradient is checked to be
@@ -63,10 +65,15 @@ def cases():
                  lengths="ragged", segments="sorted")
       yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=False, window=(50, 20),
                  lengths=None, segments="unsorted", softcap=3.0, deterministic=True)
+    if "mask" in _config.SM90_FORWARD.features | _config.SM90_BACKWARD.features:
+      yield dict(H=H, dtype=dtypes[i % len(dtypes)], is_causal=True, window=None,
+                 lengths="ragged", mask="patches")
+      yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=False, window=None,
+                 lengths=None, mask="patches", deterministic=True)
 
 
 def run(H, dtype, is_causal, window, lengths, B=3, T=167, S=201, N=4, K=2, deterministic=False,
-        grads=True, softcap=None, segments=None):
+        grads=True, softcap=None, segments=None, mask=None):
   # Inputs from numpy: compiling jax.random's kernels under the sanitizer costs more host time
   # than the attention itself.
   rng = np.random.default_rng(H)
@@ -86,6 +93,12 @@ def run(H, dtype, is_causal, window, lengths, B=3, T=167, S=201, N=4, K=2, deter
     if segments == "unsorted":
       q_seg, kv_seg = rng.permuted(q_seg, axis=-1), rng.permuted(kv_seg, axis=-1)
     kwargs.update(query_segment_ids=jnp.asarray(q_seg), key_value_segment_ids=jnp.asarray(kv_seg))
+  if mask == "patches":  # 16 x 16 patches empty, full or random, per head; rows of none
+    kind = np.repeat(np.repeat(rng.integers(0, 3, (B, N, -(-T // 16), -(-S // 16))), 16, -2),
+                     16, -1)[..., :T, :S]
+    keep = np.where(kind == 2, rng.random((B, N, T, S)) < 0.5, kind == 1)
+    keep[..., ::7, :] = False
+    kwargs.update(mask=jnp.asarray(keep))
   dout = jnp.asarray(rng.standard_normal((B, T, N, H), np.float32), dtype)
 
   def loss(q, k, v):
@@ -104,7 +117,7 @@ def run(H, dtype, is_causal, window, lengths, B=3, T=167, S=201, N=4, K=2, deter
     if not np.isfinite(np.asarray(x.astype(jnp.float32))).all():
       raise AssertionError(f"non-finite {name} for H={H} {dtype} causal={is_causal} "
                            f"window={window} lengths={lengths} softcap={softcap} "
-                           f"segments={segments}")
+                           f"segments={segments} mask={mask}")
   return out
 
 

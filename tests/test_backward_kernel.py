@@ -146,8 +146,9 @@ def _direct_backward(q, workspace_bytes, **overrides):
   results = tuple(jax.ShapeDtypeStruct(q.shape, q.dtype) for _ in range(3))
   results += (jax.ShapeDtypeStruct((workspace_bytes,), np.uint8),)
   attrs = dict(scale=np.float64(0.125), softcap=np.float64(0.0), window_left=np.int64(-1),
-               window_right=np.int64(-1), has_bias=False, has_mask=False, has_q_seqlens=False,
-               has_kv_seqlens=False, has_segment_ids=False, deterministic=False)
+               window_right=np.int64(-1), has_bias=False, has_mask=False,
+               has_mask_blocks=False, has_q_seqlens=False, has_kv_seqlens=False,
+               has_segment_ids=False, deterministic=False)
   attrs.update(overrides)
   call = jax.ffi.ffi_call(_extension.BACKWARD_TARGET, results)
   return jax.block_until_ready(call(q, q, q, q, lse, q, lse, **attrs))

@@ -536,8 +536,9 @@ def test_default_device_selects_the_gpu_checks(monkeypatch):
 
 def _attrs(**overrides):
   attrs = dict(scale=np.float64(0.5), softcap=np.float64(0.0), window_left=np.int64(-1),
-               window_right=np.int64(-1), has_bias=False, has_mask=False, has_q_seqlens=False,
-               has_kv_seqlens=False, has_segment_ids=False, deterministic=False)
+               window_right=np.int64(-1), has_bias=False, has_mask=False,
+               has_mask_blocks=False, has_q_seqlens=False, has_kv_seqlens=False,
+               has_segment_ids=False, deterministic=False)
   attrs.update(overrides)
   return attrs
 
@@ -558,6 +559,7 @@ def _bad_forward_calls():
   q_seg, kv_seg = np.zeros((2, 5), np.int32), np.zeros((2, 7), np.int32)
   kv_span = np.tile(np.array([0, 7], np.int32), (2, 5, 1))
   q_span = np.tile(np.array([0, 5], np.int32), (2, 7, 1))
+  blocks, bits = np.zeros((1, 4, 1, 1), np.int8), np.zeros((1, 4, 5, 1), np.uint32)
   return {
       "missing-optional": ([q, k, v], dict(has_bias=True), "optional"),
       "extra-optional": ([q, k, v, bias], dict(), "optional"),
@@ -575,6 +577,16 @@ def _bad_forward_calls():
       "bias-shape": ([q, k, v, np.zeros((1, 4, 5, 6), np.float32)], dict(has_bias=True), "bias"),
       "bias-dtype": ([q, k, v, np.zeros((1, 4, 5, 7), np.int32)], dict(has_bias=True), "bias"),
       "mask-dtype": ([q, k, v, bias], dict(has_mask=True), "mask"),
+      "mask-blocks-without-mask": ([q, k, v, blocks, bits], dict(has_mask_blocks=True),
+                                   "mask_blocks"),
+      "mask-blocks-dtype": ([q, k, v, bias > 0, blocks.astype(np.int32), bits],
+                            dict(has_mask=True, has_mask_blocks=True), "mask_blocks"),
+      "mask-blocks-heads": ([q, k, v, bias > 0, blocks[:, :3], bits],
+                            dict(has_mask=True, has_mask_blocks=True), "mask_blocks"),
+      "mask-bits-dtype": ([q, k, v, bias > 0, blocks, bits.astype(np.int32)],
+                          dict(has_mask=True, has_mask_blocks=True), "mask_bits"),
+      "mask-bits-missing": ([q, k, v, bias > 0, blocks], dict(has_mask=True, has_mask_blocks=True),
+                            "optional"),
       "q-lengths-dtype": ([q, k, v, lens.astype(np.float32)], dict(has_q_seqlens=True),
                           "query_seq_lengths"),
       "kv-lengths-shape": ([q, k, v, np.array([5, 5, 5], np.int32)], dict(has_kv_seqlens=True),

@@ -30,7 +30,7 @@ from jax_flash._validation import canonicalize
 
 import _reference as ref
 from _harness import (Case, assert_close, blockwise_forward, blockwise_grads, blockwise_run,
-                      check_forward, check_gradients, cotangents, default_dtype, default_head_dim,
+                      check_forward, check_gradients, check_ordered_dq_reduction, cotangents, default_dtype, default_head_dim,
                       forward_baseline, live_rows, lse_dtype, make_inputs, np_dtype, reference_hi,
                       visibility)
 from _platforms import (GPU, named_cases_and_dtypes, named_platform_dtypes, platform_dtypes,
@@ -418,19 +418,9 @@ def test_gpu_deterministic_gradients_with_segment_ids(platform):
               is_causal=True, q_segs=LONG_RUNS, kv_segs=LONG_RUNS)
   inp = make_inputs(case)
   q, k, v = (jnp.asarray(x) for x in (inp.q, inp.k, inp.v))
-  ids = dict(query_segment_ids=jnp.asarray(inp.q_seg), key_value_segment_ids=jnp.asarray(inp.kv_seg))
-
-  def grads(deterministic):
-    def loss(q, k, v):
-      out = jax_flash.dot_product_attention(q, k, v, is_causal=True, deterministic=deterministic,
-                                            **ids)
-      return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.shape[1]))[:, None, None])
-    return [np.asarray(g.astype(jnp.float32)) for g in jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)]
-
-  first, second, unordered = grads(True), grads(True), grads(False)
-  for a, b, c in zip(first, second, unordered):
-    np.testing.assert_array_equal(a, b)
-    np.testing.assert_allclose(a, c, rtol=2e-2, atol=2e-2 * np.abs(c).max())
+  check_ordered_dq_reduction(q, k, v, is_causal=True,
+                             query_segment_ids=jnp.asarray(inp.q_seg),
+                             key_value_segment_ids=jnp.asarray(inp.kv_seg))
 
 
 # --- Flax ----------------------------------------------------------------------------------------

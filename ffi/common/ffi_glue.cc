@@ -28,6 +28,8 @@ bool ToElementType(ffi::DataType dtype, ElementType* out) {
     case ffi::DataType::F16: *out = ElementType::kFloat16; return true;
     case ffi::DataType::PRED: *out = ElementType::kBool; return true;
     case ffi::DataType::S32: *out = ElementType::kInt32; return true;
+    case ffi::DataType::S8: *out = ElementType::kInt8; return true;
+    case ffi::DataType::U32: *out = ElementType::kUInt32; return true;
     default: return false;
   }
 }
@@ -206,7 +208,11 @@ Status DescribeInputs(const AttentionAttrs& attrs, const BatchShape& batch,
   p->options.window_left = attrs.window_left;
   p->options.window_right = attrs.window_right;
 
+  if (attrs.has_mask_blocks && !attrs.has_mask) {
+    return Status::InvalidArgument("jax_flash: mask_blocks come only with a mask");
+  }
   const size_t expected_optional = static_cast<size_t>(attrs.has_bias) + attrs.has_mask +
+                                   (attrs.has_mask_blocks ? 2 : 0) +
                                    attrs.has_q_seqlens + attrs.has_kv_seqlens +
                                    (attrs.has_segment_ids ? 4 : 0);
   if (optional_args.size() != expected_optional) {
@@ -238,6 +244,21 @@ Status DescribeInputs(const AttentionAttrs& attrs, const BatchShape& batch,
     JF_RETURN_IF_ERROR(Describe("mask", view, batch, {s.num_heads, s.seqlen_q, s.seqlen_k},
                                 InnerCheck::kExactOrOne, BatchCheck::kFullOrOne, &p->mask));
     JF_RETURN_IF_ERROR(CheckDtype("mask", p->mask, ElementType::kBool));
+  }
+  if (attrs.has_mask_blocks) {
+    // Their extents depend on the pass and its tile, which the kernels check (here: any).
+    auto take_mask_part = [&](const char* name, ElementType dtype, Operand* operand) -> Status {
+      JF_RETURN_IF_ERROR(take(name, &view));
+      const size_t r = static_cast<size_t>(batch.rank);
+      const bool ranked = view.dims.size() == r + 3;  // else Describe reports the rank
+      JF_RETURN_IF_ERROR(Describe(name, view, batch,
+                                  {s.num_heads, ranked ? view.dims[r + 1] : 1,
+                                   ranked ? view.dims[r + 2] : 1},
+                                  InnerCheck::kExactOrOne, BatchCheck::kFullOrOne, operand));
+      return CheckDtype(name, *operand, dtype);
+    };
+    JF_RETURN_IF_ERROR(take_mask_part("mask_blocks", ElementType::kInt8, &p->mask_blocks));
+    JF_RETURN_IF_ERROR(take_mask_part("mask_bits", ElementType::kUInt32, &p->mask_bits));
   }
   if (attrs.has_q_seqlens) {
     JF_RETURN_IF_ERROR(take("query_seq_lengths", &view));
@@ -281,6 +302,8 @@ const char* ElementTypeName(ElementType dtype) {
     case ElementType::kFloat16: return "float16";
     case ElementType::kBool: return "bool";
     case ElementType::kInt32: return "int32";
+    case ElementType::kInt8: return "int8";
+    case ElementType::kUInt32: return "uint32";
   }
   return "unknown";
 }

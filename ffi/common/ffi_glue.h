@@ -4,10 +4,12 @@
            into ForwardParams/BackwardParams with full validation. Host compiler only.
 
     Targets (same names on the "cpu" and "CUDA" platforms):
-      jax_flash_fwd(q, k, v, [bias], [mask], [q_seqlens], [kv_seqlens], [segments]) -> (out, lse)
-      jax_flash_bwd(q, k, v, out, lse, dout, dlse, [bias], [mask], [q_seqlens], [kv_seqlens],
-                    [segments]) -> (dq, dk, dv, [dbias], platform results...)
-    where [segments] is the four operands q_segment_ids, kv_segment_ids, kv_span, q_span. The
+      jax_flash_fwd(q, k, v, [bias], [mask], [mask_tiles], [q_seqlens], [kv_seqlens],
+                    [segments]) -> (out, lse)
+      jax_flash_bwd(q, k, v, out, lse, dout, dlse, [bias], [mask], [mask_tiles], [q_seqlens],
+                    [kv_seqlens], [segments]) -> (dq, dk, dv, [dbias], platform results...)
+    where [mask_tiles] is the two operands mask_blocks, mask_bits (attribute has_mask_blocks)
+    and [segments] the four operands q_segment_ids, kv_segment_ids, kv_span, q_span. The
     bracketed operands are present in that order exactly when the matching has_* attribute
     is true. The CUDA backward has one platform result: its workspace, uint8 of the size
     jax_flash._extension.backward_workspace_bytes reports (XLA allocates it like a temporary).
@@ -32,6 +34,7 @@ struct AttentionAttrs {
   int64_t window_right;
   bool has_bias;
   bool has_mask;
+  bool has_mask_blocks;  //!< mask_blocks and mask_bits follow the mask (attention_params.h)
   bool has_q_seqlens;
   bool has_kv_seqlens;
   bool has_segment_ids;  //!< the four segment operands (see above)
@@ -46,7 +49,7 @@ auto BindForward(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // q
       .template Arg<ffi::AnyBuffer>()  // k
       .template Arg<ffi::AnyBuffer>()  // v
-      .RemainingArgs()                 // [bias], [mask], [q_seqlens], [kv_seqlens], [segments]
+      .RemainingArgs()                 // [bias], [mask], [mask_tiles], [lengths], [segments]
       .template Ret<ffi::AnyBuffer>()  // out
       .template Ret<ffi::AnyBuffer>();  // lse
 }
@@ -63,7 +66,7 @@ auto BindBackward(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // lse
       .template Arg<ffi::AnyBuffer>()  // dout
       .template Arg<ffi::AnyBuffer>()  // dlse
-      .RemainingArgs()                 // [bias], [mask], [q_seqlens], [kv_seqlens], [segments]
+      .RemainingArgs()                 // [bias], [mask], [mask_tiles], [lengths], [segments]
       .template Ret<ffi::AnyBuffer>()  // dq
       .template Ret<ffi::AnyBuffer>()  // dk
       .template Ret<ffi::AnyBuffer>()  // dv
@@ -99,6 +102,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_flash::AttentionAttrs,
                                       ::xla::ffi::StructMember<int64_t>("window_right"),
                                       ::xla::ffi::StructMember<bool>("has_bias"),
                                       ::xla::ffi::StructMember<bool>("has_mask"),
+                                      ::xla::ffi::StructMember<bool>("has_mask_blocks"),
                                       ::xla::ffi::StructMember<bool>("has_q_seqlens"),
                                       ::xla::ffi::StructMember<bool>("has_kv_seqlens"),
                                       ::xla::ffi::StructMember<bool>("has_segment_ids"),

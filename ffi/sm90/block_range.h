@@ -6,7 +6,8 @@
 
     Key j is visible to query i iff i < q_len, j < kv_len, and, where bounded,
     i - window_left <= j <= i + window_right (causal: window_right == 0); with segment ids,
-    also q_ids[i] == kv_ids[j], which SegmentReach bounds by the ids' spans.
+    also q_ids[i] == kv_ids[j], which SegmentReach bounds by the ids' spans; with a mask array,
+    also mask[i, j], which its block classes bound (narrow_by_mask).
 */
 #pragma once
 
@@ -89,6 +90,29 @@ struct NoSegmentReach {
 
 template <bool kSegments>
 using SegmentReachOf = std::conditional_t<kSegments, SegmentReach, NoSegmentReach>;
+
+//! The blocks of `blocks` (partners of block `own` along the other axis) that a mask array
+//! leaves non-empty, from the first to the last of them (empty blocks between stay in the span
+//! and are skipped where visited). Query blocks index the classes' rows: with kOwnIsKeyBlock
+//! `own` is a key block and the partners query blocks. A collective of the whole warp, each
+//! lane reading every 32nd class; every lane returns the same span.
+template <bool kOwnIsKeyBlock>
+CUTE_DEVICE BlockSpan narrow_by_mask(MaskArray const& array, MaskView const& mask, int32_t own,
+                                     BlockSpan blocks) {
+  int32_t first = INT32_MAX, last = INT32_MIN;
+#pragma unroll 4
+  for (int32_t b = blocks.begin + int32_t(threadIdx.x % 32); b < blocks.end; b += 32) {
+    const MaskBlock c = kOwnIsKeyBlock ? mask.block(array, b, own) : mask.block(array, own, b);
+    if (c != MaskBlock::kEmpty) {
+      first = min(first, b);
+      last = max(last, b);
+    }
+  }
+  constexpr unsigned kWarp = 0xffffffffu;
+  first = __reduce_min_sync(kWarp, first);
+  last = __reduce_max_sync(kWarp, last);
+  return first > last ? BlockSpan{0, 0} : BlockSpan{first, last + 1};
+}
 
 template <int kBlockM, int kBlockN>
 struct BlockRange {

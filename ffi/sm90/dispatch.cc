@@ -7,7 +7,6 @@
 #include <string>
 
 #include "launch.h"
-#include "sm90_tiles.h"
 
 namespace jax_flash::sm90 {
 namespace {
@@ -43,6 +42,15 @@ Status CheckProblem(const ForwardParams& p, const char* pass, bool takes_bias, b
     return Status::InvalidArgument(std::string("jax_flash: the Hopper ") + pass +
                                    " kernel takes no bias or mask arrays (jax_flash routes those "
                                    "calls to its blockwise path)");
+  }
+  if (p.mask.present() && !p.mask_blocks.present()) {
+    return Status::InvalidArgument("jax_flash: the Hopper kernels need the mask's block classes "
+                                   "and bits (mask_blocks, mask_bits) with a mask array");
+  }
+  if (p.mask.present() && (p.options.softcap > 0 || p.q_segment_ids.present())) {
+    return Status::InvalidArgument(std::string("jax_flash: the Hopper ") + pass +
+                                   " kernel takes a mask array without soft-capping or segment "
+                                   "ids (jax_flash routes those calls to its blockwise path)");
   }
   const bool segments = p.q_segment_ids.present();
   if (segments != p.kv_segment_ids.present() || segments != p.kv_span.present() ||
@@ -93,9 +101,10 @@ Status RunForwardForDtype(const ForwardParams& p, const LaunchContext& context) 
 }
 
 //! Whether a forward tile's preferences (kernel_configs.json) name the problem `p`. A tile with
-//! none is its head dim's default.
+//! none is its head dim's default, which runs every problem with a mask array.
 bool ForwardTilePrefers(const ForwardParams& p, int64_t causal_up_to, bool segment_ids,
                         int64_t rows_up_to) {
+  if (p.mask.present()) return false;
   const bool causal = p.options.window_right == 0;
   return (causal_up_to > 0 && causal && p.shape.seqlen_q <= causal_up_to) ||
          (segment_ids && p.q_segment_ids.present()) ||
@@ -152,7 +161,7 @@ Status RunForward(const ForwardParams& params, const LaunchContext& context) {
   JAX_FLASH_SM90_FORWARD_TILES(JAX_FLASH_TRY_PREFERRED)
 #undef JAX_FLASH_TRY_PREFERRED
 #define JAX_FLASH_TRY_DEFAULT(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO) \
-  if (tile_head_dim == HEAD_DIM && CAUSAL_UP_TO == 0 && !SEGMENT_IDS && ROWS_UP_TO == 0)  \
+  if (tile_head_dim == HEAD_DIM && is_default_forward_tile(HEAD_DIM, BLOCK_M))            \
     return RunForwardForDtype<HEAD_DIM, BLOCK_M>(params, context);
   JAX_FLASH_SM90_FORWARD_TILES(JAX_FLASH_TRY_DEFAULT)
 #undef JAX_FLASH_TRY_DEFAULT

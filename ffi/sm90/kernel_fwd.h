@@ -85,9 +85,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   StaticPersistentScheduler scheduler(params.scheduler);
   if (is_producer) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
-    // One thread issues every TMA load; with segment ids its whole warp builds each tile's
-    // TileInfo (a warp collective).
-    if (threadIdx.x >= (Traits::kSegments ? 32 : 1)) return;
+    // One thread issues every TMA load; with segment ids or a mask array its whole warp builds
+    // each tile's TileInfo (a warp collective).
+    constexpr bool kWarpBuildsTileInfo = Traits::kSegments || Traits::kMask;
+    if (threadIdx.x >= (kWarpBuildsTileInfo ? 32 : 1)) return;
     const bool loader = threadIdx.x == 0;
     PipelineState write_state = cutlass::make_producer_start_state<PipelineKV>();
     uint32_t q_empty_phase = 1;  // the first wait on a fresh barrier passes
@@ -106,7 +107,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         }
       }
       q_empty_phase ^= 1;
-      if constexpr (Traits::kSegments) __syncwarp();
+      if constexpr (kWarpBuildsTileInfo) __syncwarp();
     }
     if (loader) {
       pipeline_k.producer_tail(write_state);

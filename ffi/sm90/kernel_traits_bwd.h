@@ -27,7 +27,7 @@ namespace jax_flash::sm90 {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_, bool kSoftcap_, bool kSegments_>
+template <class Element_, int kHeadDim_, bool kSoftcap_, bool kSegments_, bool kMask_>
 struct BackwardKernelTraits {
   using Element = Element_;
   using Tile = BackwardTileConfig<kHeadDim_>;
@@ -36,6 +36,9 @@ struct BackwardKernelTraits {
   static constexpr bool kSoftcap = kSoftcap_;  //!< logits are soft-capped (softcap.h)
   //! Segment ids (packed sequences) narrow the blocks visited and mask by id.
   static constexpr bool kSegments = kSegments_;
+  //! A mask array: its block classes narrow the blocks visited and skip the empty ones, its
+  //! elements mask the partial ones.
+  static constexpr bool kMask = kMask_;
   static constexpr int kBlockM = Tile::kBlockM;  //!< queries per step
   static constexpr int kBlockN = Tile::kBlockN;  //!< keys per CTA
   static constexpr int kStagesQ = Tile::kStagesQ;

@@ -17,7 +17,8 @@ namespace jax_flash::sm90 {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_, int kTileBlockM_, bool kSoftcap_, bool kSegments_>
+template <class Element_, int kHeadDim_, int kTileBlockM_, bool kSoftcap_, bool kSegments_,
+          bool kMask_>
 struct ForwardKernelTraits {
   using Element = Element_;
   using Tile = ForwardTileConfig<kHeadDim_, kTileBlockM_>;
@@ -26,6 +27,9 @@ struct ForwardKernelTraits {
   static constexpr bool kSoftcap = kSoftcap_;  //!< logits are soft-capped (softcap.h)
   //! Segment ids (packed sequences) narrow the blocks visited and mask by id.
   static constexpr bool kSegments = kSegments_;
+  //! A mask array: its block classes narrow the blocks visited and skip the empty ones, its
+  //! elements mask the partial ones.
+  static constexpr bool kMask = kMask_;
   static constexpr int kBlockM = Tile::kBlockM;
   static constexpr int kBlockN = Tile::kBlockN;
   static constexpr int kStages = Tile::kStages;

@@ -11,6 +11,7 @@
 
 #include "../common/attention_params.h"
 #include "../common/status.h"
+#include "sm90_tiles.h"  // generated from jax_flash/kernel_configs.json
 
 namespace jax_flash::sm90 {
 
@@ -33,10 +34,22 @@ struct BackwardWorkspaceLayout {
   int64_t bytes = 0;
 };
 
+//! Whether the compiled forward tile (head_dim, block_m) states no preference: its head dim's
+//! default (kernel_configs.json).
+constexpr bool is_default_forward_tile(int head_dim, int block_m) {
+#define JAX_FLASH_IS_DEFAULT(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO) \
+  if (HEAD_DIM == head_dim && BLOCK_M == block_m)                                      \
+    return CAUSAL_UP_TO == 0 && !SEGMENT_IDS && ROWS_UP_TO == 0;
+  JAX_FLASH_SM90_FORWARD_TILES(JAX_FLASH_IS_DEFAULT)
+#undef JAX_FLASH_IS_DEFAULT
+  return false;
+}
+
 //! Runs the forward on a compiled tile of the smallest head dim that covers the problem's: the
 //! first of that head dim whose preference the problem meets, else its default (see
-//! kernel_configs.json). Validates what the kernels require (dtype, head dim, alignment) and
-//! reports CUDA errors.
+//! kernel_configs.json); problems with a mask array always on the default, the tile their
+//! block classes are computed for. Validates what the kernels require (dtype, head dim,
+//! alignment) and reports CUDA errors.
 Status RunForward(const ForwardParams& params, const LaunchContext& context);
 
 //! The workspace layout of the backward of `shape` (zero bytes where it has nothing to do).

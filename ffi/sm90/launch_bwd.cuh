@@ -48,20 +48,26 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
   }
 
   typename Kernel::Params kp;
+  Status status = check_mask_operands(f, Traits::kBlockM, Traits::kBlockN,
+                                      /*rows_are_keys=*/true);
+  if (!status.ok()) return status;
   kp.problem = make_problem(f);
   typename Kernel::Mainloop::Arguments mainloop;
   BackwardPreprocessParams<Element> pre;
   SegmentIds& segments = kp.problem.segments;
+  MaskArray& mask = kp.problem.mask;
   coalesce_batch(s.batch,
                  {&f.q.batch, &f.k.batch, &f.v.batch, &p.dout.batch, &f.out.batch, &f.lse.batch,
                   &p.dlse.batch, &f.q_seqlens.batch, &f.kv_seqlens.batch,
-                  &f.q_segment_ids.batch, &f.kv_segment_ids.batch, &f.q_span.batch},
+                  &f.q_segment_ids.batch, &f.kv_segment_ids.batch, &f.q_span.batch,
+                  &f.mask_bits.batch, &f.mask_blocks.batch},
                  &kp.problem.batch,
                  {&mainloop.q_batch, &mainloop.k_batch, &mainloop.v_batch, &mainloop.dout_batch,
                   &pre.out_batch, &pre.lse_batch, &pre.dlse_batch, &kp.problem.q_seqlens_batch,
                   &kp.problem.kv_seqlens_batch, &segments.q_ids.batch, &segments.kv_ids.batch,
-                  &segments.q_span.batch});
+                  &segments.q_span.batch, &mask.batch, &mask.blocks_batch});
   segments.backward_skips_blocks = !p.deterministic;
+  mask.skip_empty_blocks = !p.deterministic;
   pre.dout_batch = mainloop.dout_batch;
 
   char* base = static_cast<char*>(workspace);
@@ -99,7 +105,7 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
     return Status::InvalidArgument("jax_flash: too many query rows x heads x batch for the "
                                    "Hopper backward kernels");
   }
-  Status status = launch_kernel(backward_preprocess_kernel<Element>, int(preprocess_ctas),
+  status = launch_kernel(backward_preprocess_kernel<Element>, int(preprocess_ctas),
                                 kPreprocessThreads, 0, pre, context, "backward preprocess");
   if (!status.ok()) return status;
 
@@ -119,8 +125,10 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
   // causal (bounded on the right) gives the first key blocks the most work, which the natural
   // order already runs first. Every key block of a head reads all its queries' Q and dO and
   // adds into all their dQ sums: a wave runs whole heads, so that each (query block, head)
-  // is read from memory and its sums cross L2 about once rather than once per key block.
-  const bool windowed = f.options.window_left >= 0 || f.options.window_right >= 0;
+  // is read from memory and its sums cross L2 about once rather than once per key block. A
+  // mask array is balanced like a window (its uneven masks are mostly causal ones).
+  const bool windowed = f.options.window_left >= 0 || f.options.window_right >= 0 ||
+                        f.mask.present();
   const bool reverse = f.options.window_left >= 0 && f.options.window_right < 0;
   const int64_t shared_bytes_per_head =
       (2 * s.seqlen_q * s.head_dim * int64_t(sizeof(Element)) +
@@ -161,10 +169,11 @@ Status RunBackwardTile(const BackwardParams& params, const BackwardWorkspaceLayo
   using Element = typename CutlassElement<kDtype>::type;
   static_assert(!(kBackwardTakesSoftcap && kBackwardTakesBias),
                 "softcap.h recovers tanh from P and the lse, which a bias would shift");
-  return with_features<kBackwardTakesSoftcap, kBackwardTakesSegmentIds>(
-      params.fwd, [&](auto softcap, auto segments) {
+  return with_features<kBackwardTakesSoftcap, kBackwardTakesSegmentIds, kBackwardTakesMask>(
+      params.fwd, [&](auto softcap, auto segments, auto mask) {
         return launch_backward<BackwardKernelTraits<Element, kTileHeadDim, decltype(softcap)::value,
-                                                decltype(segments)::value>>(
+                                                    decltype(segments)::value,
+                                                    decltype(mask)::value>>(
             params, layout, workspace, context);
       });
 }

@@ -67,8 +67,8 @@ void coalesce_batch(const BatchShape& shape, const BatchMap* const (&maps)[kOper
   }
 }
 
-//! The problem's sizes, visibility rule and segment ids; the batch axes (of the problem and of
-//! each per-item array) are filled by coalesce_batch.
+//! The problem's sizes, visibility rule, segment ids and mask array; the batch axes (of the
+//! problem and of each per-item array) are filled by coalesce_batch.
 inline AttentionProblem make_problem(const ForwardParams& p) {
   const AttentionShape& s = p.shape;
   AttentionProblem problem;
@@ -90,7 +90,57 @@ inline AttentionProblem make_problem(const ForwardParams& p) {
   problem.segments.kv_ids = rows(p.kv_segment_ids);
   problem.segments.kv_span = rows(p.kv_span);
   problem.segments.q_span = rows(p.q_span);
+  if (p.mask.present()) {
+    MaskArray& mask = problem.mask;
+    mask.bits = static_cast<const uint32_t*>(p.mask_bits.data);
+    mask.item_stride = p.mask_bits.batch_stride;
+    mask.head_stride = p.mask_bits.stride[0];
+    mask.row_stride = int32_t(p.mask_bits.stride[1]);
+    mask.words_per_row = int32_t(p.mask_bits.extent[2]);
+    mask.blocks = static_cast<const MaskBlock*>(p.mask_blocks.data);
+    mask.blocks_item_stride = p.mask_blocks.batch_stride;
+    mask.blocks_head_stride = int32_t(p.mask_blocks.stride[0]);
+    mask.blocks_m_stride = int32_t(p.mask_blocks.stride[1]);
+    mask.blocks_n_stride = int32_t(p.mask_blocks.stride[2]);
+  }
   return problem;
+}
+
+//! Checks the mask array's operands for a pass whose rows are queries (or keys, with
+//! rows_are_keys) on a (block_m, block_n) tile: the block classes one per block of each axis
+//! the mask holds (one where it broadcasts the axis), the bits one row per query (key) the
+//! mask holds and a bit per key (query), both broadcast over batch and heads exactly where the
+//! mask is.
+inline Status check_mask_operands(const ForwardParams& p, int block_m, int block_n,
+                                  bool rows_are_keys) {
+  if (!p.mask.present()) return Status::Ok();
+  const Operand& m = p.mask;
+  const AttentionShape& s = p.shape;
+  auto check = [&](const char* name, const Operand& op, ElementType dtype,
+                   const int64_t (&want)[3], const char* what) {
+    bool ok = op.present() && op.dtype == dtype;
+    for (int i = 0; i < 3; ++i) ok = ok && op.extent[i] == want[i];
+    for (int i = 0; i < s.batch.rank; ++i) {
+      ok = ok && (op.batch.stride[i] == 0) == (m.batch.stride[i] == 0);
+    }
+    if (ok) return Status::Ok();
+    return Status::InvalidArgument(std::string("jax_flash: ") + name + " must be " + what +
+                                   ", shaped (batch..., " + std::to_string(want[0]) + ", " +
+                                   std::to_string(want[1]) + ", " + std::to_string(want[2]) +
+                                   ") and broadcast like the mask");
+  };
+  const int64_t blocks[3] = {m.extent[0], (m.extent[1] + block_m - 1) / block_m,
+                             (m.extent[2] + block_n - 1) / block_n};
+  const std::string tile = std::to_string(block_m) + " x " + std::to_string(block_n);
+  Status status = check("mask_blocks", p.mask_blocks, ElementType::kInt8, blocks,
+                        ("the int8 classes of the mask's " + tile + " blocks").c_str());
+  if (!status.ok()) return status;
+  const int64_t rows = rows_are_keys ? m.extent[2] : m.extent[1];  // 1 where broadcast
+  const int64_t cols = rows_are_keys ? s.seqlen_q : s.seqlen_k;
+  const int64_t bits[3] = {m.extent[0], rows, (cols + 31) / 32};
+  return check("mask_bits", p.mask_bits, ElementType::kUInt32, bits,
+               rows_are_keys ? "the mask's key rows (the mask transposed) as uint32 bits"
+                             : "the mask's query rows as uint32 bits");
 }
 
 //! Global tensor (sequence, head dim, heads, batch items) of a BTNH operand read in place; its
@@ -154,16 +204,20 @@ inline Status make_schedule(int64_t num_blocks, int64_t num_heads, int64_t num_h
   return Status::Ok();
 }
 
-//! Calls launch(softcap, segments) with the compile-time features the call uses, each an
-//! std::bool_constant: a kernel is instantiated for every combination the pass takes
-//! (kTakesSoftcap, kTakesSegments from kernel_configs.json; dispatch rejects the others).
-template <bool kTakesSoftcap, bool kTakesSegments, class Launch>
+//! Calls launch(softcap, segments, mask) with the compile-time features the call uses, each an
+//! std::bool_constant: a kernel is instantiated for every combination of soft-capping and
+//! segment ids the pass takes (kTakesSoftcap, kTakesSegments from kernel_configs.json) and,
+//! with kTakesMask, for the mask array alone; dispatch rejects the other calls.
+template <bool kTakesSoftcap, bool kTakesSegments, bool kTakesMask, class Launch>
 Status with_features(const ForwardParams& p, Launch&& launch) {
+  if constexpr (kTakesMask) {
+    if (p.mask.present()) return launch(std::false_type{}, std::false_type{}, std::true_type{});
+  }
   auto with_segments = [&](auto softcap) {
     if constexpr (kTakesSegments) {
-      if (p.q_segment_ids.present()) return launch(softcap, std::true_type{});
+      if (p.q_segment_ids.present()) return launch(softcap, std::true_type{}, std::false_type{});
     }
-    return launch(softcap, std::false_type{});
+    return launch(softcap, std::false_type{}, std::false_type{});
   };
   if constexpr (kTakesSoftcap) {
     if (p.options.softcap > 0) return with_segments(std::true_type{});

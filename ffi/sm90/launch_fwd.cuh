@@ -23,16 +23,22 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   const AttentionShape& s = p.shape;
   typename Kernel::Params kp;
 
+  Status status = check_mask_operands(p, Traits::kBlockM, Traits::kBlockN,
+                                      /*rows_are_keys=*/false);
+  if (!status.ok()) return status;
   kp.problem = make_problem(p);
   typename Kernel::Mainloop::Arguments mainloop;
   SegmentIds& segments = kp.problem.segments;
+  MaskArray& mask = kp.problem.mask;
   coalesce_batch(s.batch,
                  {&p.q.batch, &p.k.batch, &p.v.batch, &p.q_seqlens.batch, &p.kv_seqlens.batch,
-                  &p.q_segment_ids.batch, &p.kv_segment_ids.batch, &p.kv_span.batch},
+                  &p.q_segment_ids.batch, &p.kv_segment_ids.batch, &p.kv_span.batch,
+                  &p.mask_bits.batch, &p.mask_blocks.batch},
                  &kp.problem.batch,
                  {&mainloop.q_batch, &mainloop.k_batch, &mainloop.v_batch,
                   &kp.problem.q_seqlens_batch, &kp.problem.kv_seqlens_batch,
-                  &segments.q_ids.batch, &segments.kv_ids.batch, &segments.kv_span.batch});
+                  &segments.q_ids.batch, &segments.kv_ids.batch, &segments.kv_span.batch,
+                  &mask.batch, &mask.blocks_batch});
   mainloop.q = sequence_tensor<Element>(p.q, s.seqlen_q, s.num_heads, s.head_dim, s.batch);
   mainloop.k = sequence_tensor<Element>(p.k, s.seqlen_k, s.num_kv_heads, s.head_dim, s.batch);
   mainloop.v = sequence_tensor<Element>(p.v, s.seqlen_k, s.num_kv_heads, s.head_dim, s.batch);
@@ -53,14 +59,17 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   // segment ids (packed sequences) only those of its own segments, which the blocks of one
   // head share with their neighbours: a round then covers whole heads (so its blocks read
   // K and V together from L2), and the lengths of the blocks follow the segments, not their
-  // position, so longest-first needs no long sections.
-  const bool windowed = p.options.window_left >= 0 || p.options.window_right >= 0;
+  // position, so longest-first needs no long sections. A mask array's work per block is not
+  // known here; the masks that make it uneven are mostly causal ones (Flax's), so they are
+  // scheduled like a window.
+  const bool windowed = p.options.window_left >= 0 || p.options.window_right >= 0 ||
+                        p.mask.present();
   const bool packed = p.q_segment_ids.present();
   const int64_t kv_bytes_per_head = 2 * s.seqlen_k * s.head_dim * int64_t(sizeof(Element));
-  Status status = make_schedule(num_m_blocks, s.num_heads, num_heads_total, kv_bytes_per_head,
-                                /*heads_within_a_wave=*/packed, /*reverse_blocks=*/windowed,
-                                /*balance_sections=*/windowed && !packed, context, "forward",
-                                &kp.scheduler);
+  status = make_schedule(num_m_blocks, s.num_heads, num_heads_total, kv_bytes_per_head,
+                         /*heads_within_a_wave=*/packed, /*reverse_blocks=*/windowed,
+                         /*balance_sections=*/windowed && !packed, context, "forward",
+                         &kp.scheduler);
   if (!status.ok()) return status;
 
   const int grid = std::min(kp.scheduler.num_tiles, context.sm_count);
@@ -71,11 +80,14 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
 template <ElementType kDtype, int kTileHeadDim, int kTileBlockM>
 Status RunForwardTile(const ForwardParams& params, const LaunchContext& context) {
   using Element = typename CutlassElement<kDtype>::type;
-  return with_features<kForwardTakesSoftcap, kForwardTakesSegmentIds>(
-      params, [&](auto softcap, auto segments) {
+  // Mask arrays run on each head dim's default tile, for which Python classifies their blocks.
+  constexpr bool kTakesMask = kForwardTakesMask && is_default_forward_tile(kTileHeadDim, kTileBlockM);
+  return with_features<kForwardTakesSoftcap, kForwardTakesSegmentIds, kTakesMask>(
+      params, [&](auto softcap, auto segments, auto mask) {
         return launch_forward<ForwardKernelTraits<Element, kTileHeadDim, kTileBlockM,
                                                   decltype(softcap)::value,
-                                                  decltype(segments)::value>>(params, context);
+                                                  decltype(segments)::value,
+                                                  decltype(mask)::value>>(params, context);
       });
 }
 

@@ -11,8 +11,9 @@
     head of the group in turn, so grouped heads need no atomics for dK/dV. Every CTA adds its dQ
     partial sums into an fp32 accumulator in global memory with bulk reductions issued by a
     producer warp; when dq_semaphore is set, the CTAs of a query block add in a fixed order.
-    With segment ids a CTA visits only the query blocks its keys' segments reach, except under
-    that fixed order, whose turns count every key block the window lets see a query block.
+    With segment ids a CTA visits only the query blocks its keys' segments reach, and with a
+    mask array only those its block classes leave non-empty, except under that fixed order,
+    whose turns count every key block the window lets see a query block.
 */
 #pragma once
 
@@ -138,7 +139,7 @@ struct BackwardMainloop {
   };
 
   //! What every role knows alike about one (key block, key/value head, batch) tile. Built by
-  //! every thread (with segment ids, the keys' spans are reduced by a warp collective).
+  //! every thread (with segment ids or a mask array, a warp collective narrows the queries).
   struct TileInfo {
     TileCoord coord;  //!< block: key block; head: key/value head
     SeqLengths lens;
@@ -155,9 +156,44 @@ struct BackwardMainloop {
                                              n_end);
         if (p.segments.backward_skips_blocks) queries = segments.template narrow<kBlockM>(queries);
       }
+      if constexpr (Traits::kMask) {
+        if (p.mask.skip_empty_blocks) {
+          // The query blocks that some query head of the group sees through the mask.
+          BlockSpan seen{INT32_MAX, INT32_MIN};
+          for (int32_t g = 0; g < p.group_size; ++g) {
+            const BlockSpan head_span = narrow_by_mask</*kOwnIsKeyBlock=*/true>(
+                p.mask, mask_of(p, g), c.block, queries);
+            if (!head_span.empty()) {
+              seen = {min(seen.begin, head_span.begin), max(seen.end, head_span.end)};
+            }
+          }
+          queries = seen.empty() ? BlockSpan{0, 0} : seen;
+        }
+      }
     }
     CUTE_DEVICE bool empty() const { return queries.empty(); }
     CUTE_DEVICE int32_t n_start() const { return coord.block * kBlockN; }
+    //! The mask array of query head `g` of the group.
+    CUTE_DEVICE MaskView mask_of(AttentionProblem const& p, int32_t g) const {
+      return MaskView::of(p.mask, p.batch, coord.batch, coord.head * p.group_size + g);
+    }
+    //! The class of query block m_block under `mask` (every block is full without a mask).
+    CUTE_DEVICE MaskBlock query_block_class(AttentionProblem const& p, MaskView const& mask,
+                                            int32_t m_block) const {
+      if constexpr (Traits::kMask) {
+        return mask.block(p.mask, m_block, coord.block);
+      } else {
+        return MaskBlock::kFull;
+      }
+    }
+    //! Whether the roles pass over query block m_block of class `cls`.
+    CUTE_DEVICE static bool skips(AttentionProblem const& p, MaskBlock cls) {
+      if constexpr (Traits::kMask) {
+        return cls == MaskBlock::kEmpty && p.mask.skip_empty_blocks;
+      } else {
+        return false;
+      }
+    }
   };
 
   //! Index of (batch, query head)'s first query block in the workspace arrays (row statistics
@@ -210,9 +246,11 @@ struct BackwardMainloop {
       Tensor tDOgDO = group_modes<0, 3>(tma_do.partition_S(
           local_tile(mDo(_, _, head, do_item), QdOTile{}, make_coord(_, _0{}))));
       const int64_t rows = first_query_block(params, problem, batch, head) * kBlockM;
+      const auto mask = info.mask_of(problem, g);
       // Not unrolled: the producer has few registers.
       CUTE_NO_UNROLL
       for (int32_t m_block = info.queries.begin; m_block < info.queries.end; ++m_block) {
+        if (TileInfo::skips(problem, info.query_block_class(problem, mask, m_block))) continue;
         pipeline_q.producer_acquire(write_q);
         uint64_t* q_barrier = pipeline_q.producer_get_barrier(write_q);
         copy(params.tma_load_q.with(*q_barrier, 0), tQgQ(_, m_block), tQsQ(_, write_q.index()));
@@ -243,8 +281,10 @@ struct BackwardMainloop {
     for (int32_t g = 0; g < problem.group_size; ++g) {
       const int32_t head = info.coord.head * problem.group_size + g;
       const int64_t head_blocks = first_query_block(params, problem, batch, head);
+      const auto mask = info.mask_of(problem, g);
       CUTE_NO_UNROLL
       for (int32_t m_block = info.queries.begin; m_block < info.queries.end; ++m_block) {
+        if (TileInfo::skips(problem, info.query_block_class(problem, mask, m_block))) continue;
         float* accum = params.dq_accum + (head_blocks + m_block) * Traits::kDqBlockFloats;
         int* semaphore = params.dq_semaphore == nullptr ? nullptr
                                                         : params.dq_semaphore + head_blocks + m_block;
@@ -386,7 +426,7 @@ struct BackwardMainloop {
     };
 
     int ds_stage = 0;
-    auto step = [&](int32_t m_block) {
+    auto step = [&](int32_t m_block, MaskView const& mask_view, MaskBlock cls) {
       // S^T = K Q^T and dP^T = V dO^T, back to back.
       Tensor tSrS = partition_fragment_C(mma_sdp, ShapeSt{});
       Tensor tdPrdP = partition_fragment_C(mma_sdp, ShapeSt{});
@@ -405,6 +445,13 @@ struct BackwardMainloop {
                        Range::needs_mask</*kMaskQueryTail=*/true>(problem, info.lens, m_block,
                                                                   info.coord.block),
                        info.segments, segments, info.n_start(), m_block * kBlockM);
+      if constexpr (Traits::kMask) {
+        if (cls != MaskBlock::kFull) {
+          mask.apply_mask_array(s, mask_view.bits, problem.mask.row_stride,
+                                problem.mask.words_per_row, info.n_start(), problem.seqlen_k,
+                                m_block * kBlockM);
+        }
+      }
       const auto lse_column = column_values(storage.lse.data() + read_q.index() * kBlockM);
       CUTE_UNROLL
       for (int r = 0; r < size<0>(s); ++r) {
@@ -496,9 +543,16 @@ struct BackwardMainloop {
 
     storage.kv_full.wait(0);
     for (int32_t g = 0; g < problem.group_size; ++g) {
+      const auto mask_view = info.mask_of(problem, g);
+      // Each block's class is read a step ahead, so that skipping does not wait on its load.
+      MaskBlock cls = info.query_block_class(problem, mask_view, info.queries.begin);
       CUTE_NO_UNROLL
       for (int32_t m_block = info.queries.begin; m_block < info.queries.end; ++m_block) {
-        step(m_block);
+        const MaskBlock next = m_block + 1 < info.queries.end
+                                   ? info.query_block_class(problem, mask_view, m_block + 1)
+                                   : MaskBlock::kEmpty;
+        if (!TileInfo::skips(problem, cls)) step(m_block, mask_view, cls);
+        cls = next;
       }
     }
   }

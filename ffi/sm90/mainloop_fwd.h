@@ -2,7 +2,8 @@
     \brief The forward mainloop collective: its arguments, parameters (TMA descriptors) and
            shared storage; the producer's TMA loads of Q and of the K/V pipeline; the consumers'
            QK^T -> soft-cap (optional) -> mask -> online softmax -> PV sequence. With segment
-           ids, a tile visits only the key blocks its rows' segments reach.
+           ids, a tile visits only the key blocks its rows' segments reach; with a mask array,
+           only the key blocks its classes leave non-empty.
 
     Consumers overlap within a warpgroup: while the softmax of key block j runs, the wgmma of
     P_{j+1} V_{j+1} (issued just before) proceeds on the tensor cores. Across warpgroups they
@@ -85,14 +86,17 @@ struct ForwardMainloop {
     typename PipelineKV::SharedStorage pipeline_v;
   };
 
+  struct NoMask {};
+
   //! What producer and consumers know alike about one (query block, head, batch) tile. Built
-  //! by whole warps (with segment ids, the rows' spans are reduced by a warp collective).
+  //! by whole warps (with segment ids or a mask array, a warp collective narrows the keys).
   struct TileInfo {
     TileCoord coord;
     SeqLengths lens;
     BlockSpan keys;  //!< key blocks that may hold visible keys
     //! Keys sharing a segment with some / every row of the tile.
     SegmentReachOf<Traits::kSegments> segments;
+    std::conditional_t<Traits::kMask, MaskView, NoMask> mask;
 
     CUTE_DEVICE TileInfo(AttentionProblem const& p, TileCoord const& c)
         : coord(c), lens(p, c.batch), keys(Range::key_blocks(p, lens, c.block)) {
@@ -103,9 +107,38 @@ struct ForwardMainloop {
                                                      m_start, m_end);
         keys = segments.template narrow<Traits::kBlockN>(keys);
       }
+      if constexpr (Traits::kMask) {
+        mask = MaskView::of(p.mask, p.batch, c.batch, c.head);
+        keys = narrow_by_mask</*kOwnIsKeyBlock=*/false>(p.mask, mask, c.block, keys);
+      }
     }
     CUTE_DEVICE bool empty() const { return keys.empty(); }
     CUTE_DEVICE int32_t m_start() const { return coord.block * Traits::kBlockM; }
+    //! The mask array's class of key block n_block (every block is full without one).
+    CUTE_DEVICE MaskBlock key_block_class(AttentionProblem const& p, int32_t n_block) const {
+      if constexpr (Traits::kMask) {
+        return mask.block(p.mask, coord.block, n_block);
+      } else {
+        return MaskBlock::kFull;
+      }
+    }
+    //! The class of the key block below n_block, read ahead of its use (empty below the span).
+    CUTE_DEVICE MaskBlock class_below(AttentionProblem const& p, int32_t n_block) const {
+      return n_block > keys.begin ? key_block_class(p, n_block - 1) : MaskBlock::kEmpty;
+    }
+    //! Moves n_block to the next key block down that is not empty (below keys.begin when none
+    //! is left) and `cls` to its class; `below` is class_below(n_block).
+    CUTE_DEVICE void step_down(AttentionProblem const& p, int32_t& n_block, MaskBlock& cls,
+                               MaskBlock below) const {
+      --n_block;
+      cls = below;
+      if constexpr (Traits::kMask) {
+        while (n_block >= keys.begin && cls == MaskBlock::kEmpty) {
+          --n_block;
+          cls = n_block >= keys.begin ? key_block_class(p, n_block) : MaskBlock::kEmpty;
+        }
+      }
+    }
   };
 
   CUTE_DEVICE static void prefetch_descriptors(Params const& params) {
@@ -159,7 +192,8 @@ struct ForwardMainloop {
            tVgV(_, n_block), tVsV(_, write_state.index()));
     };
 
-    // The first K block goes out before Q so both latencies overlap.
+    // The first K block goes out before Q so both latencies overlap. The span's first and
+    // last blocks are never empty.
     int n_block = info.keys.end - 1;
     load_k(n_block);
     storage.q_full.arrive_and_expect_tx(Traits::kQBytes);
@@ -167,6 +201,7 @@ struct ForwardMainloop {
     load_v(n_block);
     ++write_state;
     for (--n_block; n_block >= info.keys.begin; --n_block) {
+      if (info.key_block_class(problem, n_block) == MaskBlock::kEmpty) continue;
       load_k(n_block);
       load_v(n_block);
       ++write_state;
@@ -237,12 +272,19 @@ struct ForwardMainloop {
     const SegmentAxes</*kRowsAreKeys=*/false> segments{problem, info.coord.batch};
 
     // The cap comes before masking: masked logits must end at -inf.
-    auto cap_and_mask = [&](int n_block) {
+    auto cap_and_mask = [&](int n_block, MaskBlock cls) {
       if constexpr (Traits::kSoftcap) params.softcap.apply(s);
       mask.apply_block(s, visibility,
                        Range::needs_mask</*kMaskQueryTail=*/false>(problem, info.lens,
                                                                    info.coord.block, n_block),
                        info.segments, segments, info.m_start(), n_block * Traits::kBlockN);
+      if constexpr (Traits::kMask) {
+        if (cls != MaskBlock::kFull) {
+          mask.apply_mask_array(s, info.mask.bits, problem.mask.row_stride,
+                                problem.mask.words_per_row, info.m_start(), problem.seqlen_q,
+                                n_block * Traits::kBlockN);
+        }
+      }
     };
     auto issue_qk = [&](PipelineState const& state) {
       warpgroup_gemm</*kZeroInit=*/true, /*kWaitGroups=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), tSrS);
@@ -253,8 +295,12 @@ struct ForwardMainloop {
 
     storage.q_full.wait(q_phase);
 
-    // First (last-visited) key block: S, cap and mask, softmax without history.
+    // First (last-visited) key block: S, cap and mask, softmax without history. The classes
+    // of the next block down are read a block ahead, so that skipping empty blocks does not
+    // wait on their loads.
     int n_block = info.keys.end - 1;
+    MaskBlock cls = info.key_block_class(problem, n_block);
+    MaskBlock below = info.class_below(problem, n_block);
     pipeline_k.consumer_wait(read_state);
     wait_turn(warp_group);
     issue_qk(read_state);
@@ -262,13 +308,15 @@ struct ForwardMainloop {
     warpgroup_wait<0>();
     pipeline_k.consumer_release(read_state);
     if (n_block == info.keys.begin) release_q();
-    cap_and_mask(n_block);
+    cap_and_mask(n_block, cls);
     softmax.template step</*kFirst=*/true>(s);
     convert_into(tSrS, tOrP);
     ++read_state;
 
     // Steady state: S_j and P_{j+1} V_{j+1} in flight together.
-    for (--n_block; n_block >= info.keys.begin; --n_block) {
+    for (info.step_down(problem, n_block, cls, below); n_block >= info.keys.begin;
+         info.step_down(problem, n_block, cls, below)) {
+      below = info.class_below(problem, n_block);
       pipeline_k.consumer_wait(read_state);
       wait_turn(warp_group);
       issue_qk(read_state);
@@ -279,7 +327,7 @@ struct ForwardMainloop {
       warpgroup_wait<1>();  // S_j complete; P V may still run
       pipeline_k.consumer_release(read_state);
       if (n_block == info.keys.begin) release_q();
-      cap_and_mask(n_block);
+      cap_and_mask(n_block, cls);
       const auto rescale = softmax.template step</*kFirst=*/false>(s);
       warpgroup_wait<0>();  // P V complete: O may be rescaled and P overwritten
       pipeline_v.consumer_release(v_state);

@@ -1,8 +1,8 @@
 /*! \file mask.h
     \brief Per-element masking of one logits block held in WGMMA accumulators, in either operand
            orientation: rows are queries (forward, S = Q K^T) or keys (backward, S^T = K Q^T):
-           by lengths and windows, and by segment ids. Invisible pairs become -inf, so their
-           probabilities are exactly 0.
+           by lengths and windows, by segment ids and by a mask array. Invisible pairs become
+           -inf, so their probabilities are exactly 0.
 */
 #pragma once
 
@@ -111,6 +111,47 @@ struct BlockMask {
     if (cut_by_segments && !reach.exact) {
       apply_segment_ids(s, segments.row_ids(), row_start, segments.row_extent(),
                         segments.col_ids(), col_start, segments.col_extent());
+    }
+  }
+
+  //! Masks the pairs of a partial block that a mask array drops, from its rows' bits (see
+  //! MaskArray): `bits` holds row 0 of the (batch item, head), row_stride words apart (0: one
+  //! row for all), words_per_row words each.
+  //! Rows at or past row_limit are not read (their pairs are dropped with the rows in the
+  //! forward and masked by lengths in the backward); columns past the last word read as
+  //! dropped (lengths mask them too).
+  template <class TensorS>
+  CUTE_DEVICE void apply_mask_array(TensorS& s, const uint32_t* bits, int row_stride,
+                                    int words_per_row, int row_start, int row_limit,
+                                    int col_start) const {
+    auto tScS = TiledMma{}.get_thread_slice(thread_idx).partition_C(
+        make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
+    auto coords = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
+    // The bits from the thread's first column on, realigned (funnel shifts) so that each
+    // column step, a compile-time constant after folding, reads a fixed bit of a register.
+    constexpr int kWords = (kCols + 31) / 32;
+    const int thread_col = get<1>(coords(0, 0));
+    const int first = col_start + thread_col;
+    const int first_word = first >> 5;
+    const int shift = first & 31;
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(s); ++r) {
+      const int row = row_start + get<0>(coords(r, 0));
+      if (row >= row_limit) continue;
+      const uint32_t* row_bits = bits + int64_t(row) * row_stride;
+      uint32_t raw[kWords + 1];
+      CUTE_UNROLL
+      for (int i = 0; i <= kWords; ++i) {
+        raw[i] = first_word + i < words_per_row ? __ldg(row_bits + first_word + i) : 0u;
+      }
+      uint32_t kept[kWords];
+      CUTE_UNROLL
+      for (int i = 0; i < kWords; ++i) kept[i] = __funnelshift_r(raw[i], raw[i + 1], shift);
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) {
+        const int step = get<1>(coords(0, c)) - thread_col;
+        if (((kept[step >> 5] >> (step & 31)) & 1u) == 0) s(r, c) = -INFINITY;
+      }
     }
   }
 

@@ -61,8 +61,54 @@ struct SegmentIds {
   CUTE_HOST_DEVICE bool present() const { return q_ids.data != nullptr; }
 };
 
+//! How jax_flash/_primitive.py classifies each (query block, key block) of a mask array for a
+//! pass's tile: no pair kept, some kept, every pair kept.
+enum class MaskBlock : int8_t { kEmpty = 0, kPartial = 1, kFull = 2 };
+
+//! A boolean mask array (true keeps a logit) as the kernels read it: its rows as bits,
+//! (items, N|1, rows|1, words_per_row) uint32 with the pass's rows (queries forward, keys
+//! backward), and its block classes (items, N|1, query blocks|1, key blocks|1) for the pass's
+//! tile, each with zero strides on its broadcast axes. The kernels visit only the blocks that
+//! are not empty and read the bits only in the partial ones.
+struct MaskArray {
+  const uint32_t* bits = nullptr;
+  DeviceBatchMap batch;
+  int64_t item_stride = 0, head_stride = 0;  //!< words; 0 where broadcast
+  int32_t row_stride = 0;                    //!< words; 0 where the rows broadcast
+  int32_t words_per_row = 0;
+  const MaskBlock* blocks = nullptr;
+  DeviceBatchMap blocks_batch;
+  int64_t blocks_item_stride = 0;
+  int32_t blocks_head_stride = 0, blocks_m_stride = 0, blocks_n_stride = 0;
+  //! The backward visits empty blocks too under the ordered (deterministic) dQ reduction, whose
+  //! turns count every key block the window lets see a query block.
+  bool skip_empty_blocks = true;
+
+  CUTE_HOST_DEVICE bool present() const { return bits != nullptr; }
+};
+
+//! One (batch item, query head) of a MaskArray: its two base pointers only, the strides are
+//! read from the kernel's parameters where used (registers are scarce in the mainloops).
+struct MaskView {
+  const uint32_t* bits;
+  const MaskBlock* blocks;
+
+  CUTE_HOST_DEVICE static MaskView of(MaskArray const& mask, DeviceBatch const& problem_batch,
+                                      int32_t b, int32_t head) {
+    return {mask.bits + int64_t(mask.batch(problem_batch, b)) * mask.item_stride +
+                head * mask.head_stride,
+            mask.blocks + int64_t(mask.blocks_batch(problem_batch, b)) * mask.blocks_item_stride +
+                head * mask.blocks_head_stride};
+  }
+  CUTE_DEVICE MaskBlock block(MaskArray const& mask, int32_t m_block, int32_t n_block) const {
+    return MaskBlock(__ldg(reinterpret_cast<const signed char*>(blocks) +
+                           m_block * mask.blocks_m_stride + n_block * mask.blocks_n_stride));
+  }
+};
+
 //! The runtime scalars of an attention problem that every pass needs: sizes, the visibility
-//! rule (window; causal is window_right == 0), the optional per-item lengths and segment ids.
+//! rule (window; causal is window_right == 0), the optional per-item lengths, segment ids and
+//! mask array.
 struct AttentionProblem {
   int32_t seqlen_q = 0;
   int32_t seqlen_k = 0;
@@ -75,6 +121,7 @@ struct AttentionProblem {
   const int32_t* q_seqlens = nullptr;
   const int32_t* kv_seqlens = nullptr;
   SegmentIds segments;
+  MaskArray mask;
 };
 
 //! Query and key lengths of one batch item: query rows at or past q_len are padding, keys at or

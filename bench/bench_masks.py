@@ -1,0 +1,243 @@
+"""Mask and bias arrays against the structured arguments they express, and against cuDNN.
+
+Two families of one shape (B, T = S, N, H), timed in one process:
+
+  causal family   causal attention expressed three ways, for jax_flash and for
+                  jax.nn.dot_product_attention(implementation='cudnn'):
+                    causal         is_causal=True
+                    causal_mask    mask = tril, a (1, 1, T, S) boolean array
+                    causal_bias    bias = 0 on and below the diagonal, the dtype's lowest value
+                                   above, a (1, 1, T, S) array
+  padding family  keys past a per-item length (T, 3T/4, T/2, T/4, ... cycling) dropped:
+                    lengths        key_value_seq_lengths
+                    padding_mask   mask = (B, 1, 1, S) boolean array
+  documents family  packed documents of --doc-len tokens, causal within each:
+                    segment_ids    query_segment_ids = key_value_segment_ids (jax_flash only)
+                    document_mask  is_causal and the (B, 1, T, S) mask of equal ids, what
+                                   flax.linen.make_attention_mask(ids, ids, jnp.equal) builds
+
+Implementations are named <impl>:<way>, impl jax_flash or cudnn (GPU only). Throughput counts
+the visible work only, the same for every way of a family: 4 * B * N * T * S * H halved for
+causal, 4 * N * T * H * sum(lengths) for padding, 4 * B * N * T * doc_len * H halved for
+documents, 3.5x for fwd_bwd. Columns: `vs struct`,
+jax_flash's throughput over its structured way in the family (is_causal, lengths); `vs cudnn`,
+over cuDNN's same way. Every output (and gradient) is checked against the family's first row:
+`max diff`.
+
+Timing as in bench_attention.py: CUPTI device time per call on the GPU, median over
+--iterations; wall-clock on the CPU.
+
+  python bench/bench_masks.py                      # GPU: B 4, T 4096, N 16, H 128, bf16
+  python bench/bench_masks.py --platform cpu --batch 2 --seq 512 --heads 4 --head-dim 64
+
+Writes masks_<platform>.json and masks_<platform>.png under --out (default bench/out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_attention  # noqa: E402  (timing helpers shared with the main benchmark)
+
+FAMILIES = {"causal": ("causal", "causal_mask", "causal_bias"),
+            "padding": ("lengths", "padding_mask"),
+            "documents": ("segment_ids", "document_mask")}
+# Ways an implementation does not have.
+UNSUPPORTED = {("cudnn", "segment_ids")}
+IMPLS = ("jax_flash", "cudnn")
+GPU_ONLY = ("cudnn",)
+
+
+def lengths_of(B: int, T: int):
+  return [T - (b % 4) * T // 4 for b in range(B)]
+
+
+def visible_flops(family: str, args, mode: str) -> float:
+  B, T, N, H = args.batch, args.seq, args.heads, args.head_dim
+  if family == "causal":
+    flops = 4.0 * B * N * T * T * H * 0.5
+  elif family == "documents":
+    flops = 4.0 * B * N * T * args.doc_len * H * 0.5
+  else:
+    flops = 4.0 * N * T * H * sum(lengths_of(B, T))
+  return flops * (3.5 if mode == "fwd_bwd" else 1.0)
+
+
+def build(impl: str, way: str, args, mode: str):
+  """(jitted function, arguments) of one row."""
+  import jax
+  import jax.numpy as jnp
+
+  import jax_flash
+
+  B, T, N, H = args.batch, args.seq, args.heads, args.head_dim
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  q, k, v, dout = (jax.random.normal(key, (B, T, N, H), args.dtype) for key in keys)
+  tril = jnp.tril(jnp.ones((T, T), bool))[None, None]
+  lengths = jnp.asarray(lengths_of(B, T), jnp.int32)
+  ids = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) // args.doc_len, (B, T))
+  options = {
+      "causal": dict(is_causal=True),
+      "causal_mask": dict(mask=tril),
+      "causal_bias": dict(bias=jnp.where(tril, 0, jnp.finfo(args.dtype).min).astype(args.dtype)),
+      "lengths": dict(key_value_seq_lengths=lengths),
+      "padding_mask": dict(mask=(jnp.arange(T) < lengths[:, None])[:, None, None]),
+      "segment_ids": dict(is_causal=True, query_segment_ids=ids, key_value_segment_ids=ids),
+      "document_mask": dict(is_causal=True, mask=(ids[:, :, None] == ids[:, None, :])[:, None]),
+  }[way]
+  if impl == "jax_flash":
+    attention = lambda q, k, v: jax_flash.dot_product_attention(q, k, v, **options)
+  elif impl == "cudnn":
+    attention = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn",
+                                                            **options)
+  else:
+    raise ValueError(f"unknown implementation {impl!r}")
+  if mode == "fwd":
+    return jax.jit(attention), (q, k, v)
+
+  def fwd_bwd(q, k, v, dout):
+    out, vjp = jax.vjp(attention, q, k, v)
+    return (out, *vjp(dout))
+
+  return jax.jit(fwd_bwd), (q, k, v, dout)
+
+
+def run_cell(impl: str, family: str, way: str, mode: str, args, platform: str,
+             reference) -> tuple[dict, tuple]:
+  import jax
+  import jax.numpy as jnp
+
+  fn, inputs = build(impl, way, args, mode)
+  compiled = fn.lower(*inputs).compile()
+  results = compiled(*inputs)
+  results = results if isinstance(results, tuple) else (results,)
+  record = {}
+  if reference is not None:
+    record["max_diff"] = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                             for a, b in zip(results, reference))
+  if platform == "gpu":
+    times, method = bench_attention.time_gpu(compiled, inputs, args.iterations, warmup=1)
+  else:
+    times, method = bench_attention.time_wall(compiled, inputs, args.iterations, warmup=1), "wall"
+  ms = statistics.median(times)
+  flops = visible_flops(family, args, mode)
+  record.update(ms=ms, ms_min=min(times), timing=method, flops_per_s=flops / (ms * 1e-3))
+  jax.clear_caches()
+  return record, results
+
+
+def table(rows: list[dict], unit: str, scale: float) -> list[str]:
+  lines = [f"{'mode':>7} {'implementation':>24} | {'ms':>9} {unit:>8} {'vs struct':>9} "
+           f"{'vs cudnn':>9} {'max diff':>9}"]
+  lines.append("-" * len(lines[0]))
+  for r in rows:
+    head = f"{r['mode']:>7} {r['impl'] + ':' + r['way']:>24} | "
+    if r.get("error"):
+      lines.append(head + f"error: {r['error']}")
+      continue
+    cells = [r.get("vs_structured"), r.get("vs_cudnn")]
+    diff = r.get("max_diff")
+    lines.append(head + f"{r['ms']:>9.3f} {r['flops_per_s'] / scale:>8.1f} " +
+                 " ".join(f"{'' if c is None else f'{c:.3f}':>9}" for c in cells) +
+                 f" {'' if diff is None else f'{diff:.2e}':>9}")
+  return lines
+
+
+def plot(data: dict, path: Path) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  meta = data["metadata"]
+  unit, scale = bench_attention.throughput_unit(meta["platform"])
+  modes = sorted({r["mode"] for r in data["results"]})
+  fig, axes = plt.subplots(1, len(modes), squeeze=False, figsize=(6 * len(modes), 4))
+  ways = [w for family in FAMILIES.values() for w in family]
+  impls = sorted({r["impl"] for r in data["results"]}, key=IMPLS.index)
+  for ax, mode in zip(axes[0], modes):
+    def value(impl, way, mode=mode):
+      return next((r["flops_per_s"] / scale for r in data["results"]
+                   if r["impl"] == impl and r["mode"] == mode and r["way"] == way
+                   and not r.get("error")), 0.0)
+    bench_attention.grouped_bars(ax, ways, impls, value, unit, mode, label_size=7)
+  fig.suptitle(f"mask and bias arrays | {meta['device_kind']} | B={meta['batch']}, "
+               f"T=S={meta['seq']}, N={meta['heads']}, H={meta['head_dim']}, {meta['dtype']}",
+               fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--platform", choices=("cpu", "gpu"), default=None)
+  p.add_argument("--batch", type=int, default=4)
+  p.add_argument("--seq", type=int, default=4096)
+  p.add_argument("--heads", type=int, default=16)
+  p.add_argument("--head-dim", type=int, default=128)
+  p.add_argument("--doc-len", type=int, default=512)
+  p.add_argument("--modes", default="fwd,fwd_bwd")
+  p.add_argument("--dtype", default=None, help="default: bfloat16 on the GPU, float32 on the CPU")
+  p.add_argument("--iterations", type=int, default=10)
+  p.add_argument("--out", default=str(HERE / "out"))
+  return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  platform = bench_attention.select_platform(args.platform)
+  args.dtype = args.dtype or ("bfloat16" if platform == "gpu" else "float32")
+  impls = [i for i in IMPLS if platform == "gpu" or i not in GPU_ONLY]
+  unit, scale = bench_attention.throughput_unit(platform)
+  print("\n".join(table([], unit, scale)), flush=True)
+  rows = []
+  for mode in args.modes.split(","):
+    for family, ways in FAMILIES.items():
+      reference = None
+      throughput = {}
+      for impl in impls:
+        for way in ways:
+          if (impl, way) in UNSUPPORTED:
+            continue
+          row = {"mode": mode, "family": family, "impl": impl, "way": way}
+          try:
+            record, results = run_cell(impl, family, way, mode, args, platform, reference)
+            row.update(record)
+            reference = results if reference is None else reference
+            throughput[impl, way] = record["flops_per_s"]
+          except Exception as e:  # one failing cell must not end the run
+            row["error"] = bench_attention.short_reason(e)
+          rows.append(row)
+      for row in rows:
+        if row["mode"] != mode or row["family"] != family or row.get("error"):
+          continue
+        if row["impl"] == "jax_flash":
+          if ("jax_flash", ways[0]) in throughput:
+            row["vs_structured"] = row["flops_per_s"] / throughput["jax_flash", ways[0]]
+          if ("cudnn", row["way"]) in throughput:
+            row["vs_cudnn"] = row["flops_per_s"] / throughput["cudnn", row["way"]]
+        print("\n".join(table([row], unit, scale)[2:]), flush=True)
+  data = {
+      "metadata": {
+          **bench_attention.run_metadata(platform),
+          "batch": args.batch, "seq": args.seq, "heads": args.heads, "head_dim": args.head_dim,
+          "doc_len": args.doc_len,
+          "dtype": args.dtype, "iterations": args.iterations,
+          "flops": "visible work: causal 4*B*N*T*S*H/2, padding 4*N*T*H*sum(lengths), "
+                   "documents 4*B*N*T*doc_len*H/2; fwd_bwd 3.5x forward",
+      },
+      "results": rows,
+  }
+  bench_attention.save_results(data, args.out, f"masks_{platform}", table(rows, unit, scale), plot)
+  return data
+
+
+if __name__ == "__main__":
+  main()
