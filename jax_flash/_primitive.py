@@ -135,22 +135,56 @@ def _segments(q_seg, kv_seg) -> list:
   return [q_seg, kv_seg, _spans(q_seg, kv_seg), _spans(kv_seg, q_seg)]
 
 
+def _block_extents(mask, tile):
+  """(bm, bn, MB, SB): the tile's block sizes along the mask's query and key axes (1 along an
+  axis the mask broadcasts) and the blocks' counts."""
+  T, S = mask.shape[-2:]
+  bm = tile.block_m if T > 1 else 1
+  bn = tile.block_n if S > 1 else 1
+  return bm, bn, -(-T // bm), -(-S // bn)
+
+
+def _classes(kept, mask, tile):
+  """Block classes from the kept pairs of each block, (batch..., N|1, MB, SB): 0 none, 1 some,
+  2 all of the block's pairs inside the sequences."""
+  T, S = mask.shape[-2:]
+  bm, bn, MB, SB = _block_extents(mask, tile)
+  # From iotas, not numpy arrays: custom_partitioning's implementation may capture no constants.
+  pairs = (jnp.minimum(bm, T - bm * lax.iota(jnp.int32, MB))[:, None] *
+           jnp.minimum(bn, S - bn * lax.iota(jnp.int32, SB))[None, :])
+  return jnp.where(kept == pairs, 2, (kept > 0).astype(jnp.int8)).astype(jnp.int8)
+
+
 def _mask_blocks(mask, tile):
   """The classes of the mask's (tile.block_m x tile.block_n) blocks, (batch..., N|1, MB|1,
   SB|1) int8: 0 no logit kept, 1 some, 2 all; one block along an axis the mask broadcasts.
   Positions past the sequence ends count as neither kept nor dropped."""
   *lead, T, S = mask.shape
-  bm = tile.block_m if T > 1 else 1
-  bn = tile.block_n if S > 1 else 1
-  MB, SB = -(-T // bm), -(-S // bn)
+  bm, bn, MB, SB = _block_extents(mask, tile)
   padded = jnp.pad(mask, [(0, 0)] * len(lead) + [(0, MB * bm - T), (0, SB * bn - S)])
   # Kept pairs per block, summed along the contiguous key axis first.
   per_row = padded.reshape(*lead, MB * bm, SB, bn).sum(-1, dtype=jnp.int32)
-  kept = per_row.reshape(*lead, MB, bm, SB).sum(-2)
-  # From iotas, not numpy arrays: custom_partitioning's implementation may capture no constants.
-  pairs = (jnp.minimum(bm, T - bm * lax.iota(jnp.int32, MB))[:, None] *
-           jnp.minimum(bn, S - bn * lax.iota(jnp.int32, SB))[None, :])
-  return jnp.where(kept == pairs, 2, (kept > 0).astype(jnp.int8)).astype(jnp.int8)
+  return _classes(per_row.reshape(*lead, MB, bm, SB).sum(-2), mask, tile)
+
+
+def _mask_blocks_from_bits(mask, bits, tile, rows_are_keys):
+  """_mask_blocks counted from the packed bits (_mask_bits) instead of the mask: an eighth of
+  the bytes read. For tiles whose blocks along the bits' columns are whole words and masks
+  that do not broadcast that axis (whose words repeat one bit into the padding); None
+  otherwise."""
+  bm, bn, MB, SB = _block_extents(mask, tile)
+  col_block, row_block = (bm, bn) if rows_are_keys else (bn, bm)
+  col_axis = -2 if rows_are_keys else -1
+  if mask.shape[col_axis] == 1 or col_block % 32:
+    return None
+  *lead, rows, words = bits.shape
+  row_blocks, col_blocks = (SB, MB) if rows_are_keys else (MB, SB)
+  counts = lax.population_count(bits).astype(jnp.int32)
+  counts = jnp.pad(counts, [(0, 0)] * len(lead) + [(0, row_blocks * row_block - rows),
+                                                   (0, col_blocks * col_block // 32 - words)])
+  kept = counts.reshape(*lead, row_blocks, row_block, col_blocks, col_block // 32)
+  kept = kept.sum((-3, -1))
+  return _classes(jnp.swapaxes(kept, -1, -2) if rows_are_keys else kept, mask, tile)
 
 
 def _mask_bits(mask, T, S, rows_are_keys):
@@ -188,7 +222,9 @@ def _mask_tiles(mask, tile, T, S, rows_are_keys):
   if mask is None:
     return []
   mask = lax.optimization_barrier(mask)
-  return [_mask_blocks(mask, tile), _mask_bits(mask, T, S, rows_are_keys)]
+  bits = _mask_bits(mask, T, S, rows_are_keys)
+  blocks = _mask_blocks_from_bits(mask, bits, tile, rows_are_keys)
+  return [_mask_blocks(mask, tile) if blocks is None else blocks, bits]
 
 
 def _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, *, mask_tile=None):

@@ -59,12 +59,25 @@ def test_mask_blocks_classify_every_block(shape):
   coarse = rng.integers(0, 3, shape[:-2] + (-(-shape[-2] // 16), -(-shape[-1] // 16)))
   mask = np.repeat(np.repeat(coarse, 16, -2), 16, -1)[..., :shape[-2], :shape[-1]]
   mask = np.where(mask == 2, rng.random(shape) < 0.5, mask == 1)
+  T, S = shape[-2:]
   for tile in (_Tile(64, 128), _Tile(192, 128), _Tile(128, 80)):
-    got = np.asarray(_primitive._mask_blocks(jnp.asarray(mask), tile))
     want = _brute_classes(mask, tile.block_m, tile.block_n)
+    assert set(np.unique(want)) <= {0, 1, 2}
+    got = np.asarray(_primitive._mask_blocks(jnp.asarray(mask), tile))
     assert got.dtype == np.int8
     np.testing.assert_array_equal(got, want)
-    assert set(np.unique(want)) <= {0, 1, 2}
+    # Counted from the bits, where the tile's blocks along the bits' columns are whole words
+    # (and the same classes whichever way _mask_tiles takes).
+    for rows_are_keys in (False, True):
+      bits = _primitive._mask_bits(jnp.asarray(mask), T, S, rows_are_keys)
+      from_bits = _primitive._mask_blocks_from_bits(jnp.asarray(mask), bits, tile, rows_are_keys)
+      col_block, col_extent = ((tile.block_m, shape[-2]) if rows_are_keys
+                               else (tile.block_n, shape[-1]))
+      assert (from_bits is None) == (col_block % 32 != 0 or col_extent == 1)
+      if from_bits is not None:
+        np.testing.assert_array_equal(np.asarray(from_bits), want)
+      blocks, _ = _primitive._mask_tiles(jnp.asarray(mask), tile, T, S, rows_are_keys)
+      np.testing.assert_array_equal(np.asarray(blocks), want)
 
 
 @pytest.mark.parametrize("spec", ["BNTS", "B1TS", "B11S", "BNT1", "1111"])
