@@ -30,8 +30,11 @@ def capabilities() -> dict:
                        f"{_config.GPU_MAX_HEAD_DIM}",
           "tiles": [t.__dict__ for t in _config.SM90_FORWARD_TILES],
           "backward_tiles": [t.__dict__ for t in _config.SM90_BACKWARD_TILES],
-          # Calls with arrays a kernel does not read run on the blockwise JAX path.
+          # Calls with arrays a kernel does not read run on the blockwise JAX path, and so do
+          # calls combining a feature a kernel takes only alone with another.
           "kernel_features": {"forward": sorted(_config.SM90_FORWARD.features),
                               "backward": sorted(_config.SM90_BACKWARD.features)},
+          "kernel_features_alone": {"forward": sorted(_config.SM90_FORWARD.alone),
+                                    "backward": sorted(_config.SM90_BACKWARD.alone)},
       },
   }

@@ -31,6 +31,9 @@ def test_capabilities_agree_with_the_table():
   assert caps["gpu"]["kernel_features"] == {
       "forward": sorted(_config.SM90_FORWARD.features),
       "backward": sorted(_config.SM90_BACKWARD.features)}
+  assert caps["gpu"]["kernel_features_alone"] == {
+      "forward": sorted(_config.SM90_FORWARD.alone),
+      "backward": sorted(_config.SM90_BACKWARD.alone)}
   assert str(_config.GPU_MAX_HEAD_DIM) in caps["gpu"]["head_dims"]
   assert str(_config.GPU_HEAD_DIM_MULTIPLE) in caps["gpu"]["head_dims"]
 
@@ -45,6 +48,8 @@ def test_config_module_reads_the_json_table():
     assert list(kernel.tiles) == [type(t)(**row) for t, row in zip(kernel.tiles, entry["tiles"])]
     assert len(kernel.tiles) == len(entry["tiles"])
     assert kernel.features == frozenset(entry["features"])
+    assert kernel.alone == frozenset(entry.get("features_alone", ()))
+    assert kernel.alone <= kernel.features
   assert _config.GPU_MAX_HEAD_DIM == max(row["head_dim"] for row in table["sm90"]["forward"]["tiles"])
 
 
@@ -63,6 +68,13 @@ def test_kernel_features_route_calls():
   packing = _config.Kernel(tiles=(), features=frozenset({"segment_ids"}))
   assert packing.takes(**dict(plain, segment_ids=True))
   assert not packing.takes(**dict(plain, softcap=True, segment_ids=True))
+  # A feature taken only alone: with any other, the call goes elsewhere.
+  masking = _config.Kernel(tiles=(), features=frozenset({"mask", "softcap", "segment_ids"}),
+                           alone=frozenset({"mask"}))
+  assert masking.takes(**dict(plain, mask=True))
+  assert masking.takes(**dict(plain, softcap=True, segment_ids=True))
+  assert not masking.takes(**dict(plain, mask=True, softcap=True))
+  assert not masking.takes(**dict(plain, mask=True, segment_ids=True))
 
 
 def test_table_is_consistent():
