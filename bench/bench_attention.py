@@ -719,6 +719,31 @@ def save_results(data: dict, out: str, stem: str, table: list[str], plot_fn) -> 
     print("matplotlib not installed: no plot")
 
 
+def measure_call(fn, inputs, platform: str, iterations: int, flops: float,
+                 reference=None) -> tuple[dict, tuple]:
+  """The smaller benchmarks' cell: compiles the jitted fn, runs it once (its results, a tuple,
+  compared with `reference` when given: max_diff) and times it (CUPTI on the GPU, wall clock
+  on the CPU; median and minimum ms, throughput of `flops`). Returns (record, results)."""
+  import jax
+  import jax.numpy as jnp
+
+  compiled = fn.lower(*inputs).compile()
+  results = compiled(*inputs)
+  results = results if isinstance(results, tuple) else (results,)
+  record = {}
+  if reference is not None:
+    record["max_diff"] = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                             for a, b in zip(results, reference))
+  if platform == "gpu":
+    times, method = time_gpu(compiled, inputs, iterations, warmup=1)
+  else:
+    times, method = time_wall(compiled, inputs, iterations, warmup=1), "wall"
+  ms = statistics.median(times)
+  record.update(ms=ms, ms_min=min(times), timing=method, flops_per_s=flops / (ms * 1e-3))
+  jax.clear_caches()
+  return record, results
+
+
 def grouped_bars(ax, groups: list, series: list, value, unit: str, title: str,
                  label_size: int = 10) -> None:
   """The smaller benchmarks' panel: for each group a bar per series, value(series, group) high

@@ -36,7 +36,6 @@ Writes masks_<platform>.json and masks_<platform>.png under --out (default bench
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -110,26 +109,9 @@ def build(impl: str, way: str, args, mode: str):
 
 def run_cell(impl: str, family: str, way: str, mode: str, args, platform: str,
              reference) -> tuple[dict, tuple]:
-  import jax
-  import jax.numpy as jnp
-
   fn, inputs = build(impl, way, args, mode)
-  compiled = fn.lower(*inputs).compile()
-  results = compiled(*inputs)
-  results = results if isinstance(results, tuple) else (results,)
-  record = {}
-  if reference is not None:
-    record["max_diff"] = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-                             for a, b in zip(results, reference))
-  if platform == "gpu":
-    times, method = bench_attention.time_gpu(compiled, inputs, args.iterations, warmup=1)
-  else:
-    times, method = bench_attention.time_wall(compiled, inputs, args.iterations, warmup=1), "wall"
-  ms = statistics.median(times)
-  flops = visible_flops(family, args, mode)
-  record.update(ms=ms, ms_min=min(times), timing=method, flops_per_s=flops / (ms * 1e-3))
-  jax.clear_caches()
-  return record, results
+  return bench_attention.measure_call(fn, inputs, platform, args.iterations,
+                                      visible_flops(family, args, mode), reference)
 
 
 def table(rows: list[dict], unit: str, scale: float) -> list[str]:

@@ -28,7 +28,6 @@ Writes packed_<platform>.json and packed_<platform>.png under --out (default ben
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -99,28 +98,11 @@ def build(impl: str, D: int, L: int, N: int, H: int, dtype: str, mode: str):
   return jax.jit(fwd_bwd), (q, k, v, dout)
 
 
-def run_cell(impl: str, H: int, mode: str, args, platform: str, reference) -> dict:
-  import jax
-  import jax.numpy as jnp
-
+def run_cell(impl: str, H: int, mode: str, args, platform: str, reference) -> tuple[dict, tuple]:
   fn, inputs = build(impl, args.docs, args.doc_len, args.heads, H, args.dtype, mode)
-  compiled = fn.lower(*inputs).compile()
-  results = compiled(*inputs)
-  results = results if isinstance(results, tuple) else (results,)
-  record = {}
-  if reference is not None:
-    record["max_diff"] = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-                             for a, b in zip(results, reference))
-  if platform == "gpu":
-    times, method = bench_attention.time_gpu(compiled, inputs, args.iterations, warmup=1)
-  else:
-    times, method = bench_attention.time_wall(compiled, inputs, args.iterations, warmup=1), "wall"
-  ms = statistics.median(times)
-  record.update(ms=ms, ms_min=min(times), timing=method,
-                flops_per_s=visible_flops(args.docs, args.doc_len, args.heads, H, mode) /
-                (ms * 1e-3))
-  jax.clear_caches()
-  return record, results
+  return bench_attention.measure_call(
+      fn, inputs, platform, args.iterations,
+      visible_flops(args.docs, args.doc_len, args.heads, H, mode), reference)
 
 
 def table(rows: list[dict], unit: str, scale: float) -> list[str]:
