@@ -744,20 +744,36 @@ def measure_call(fn, inputs, platform: str, iterations: int, flops: float,
   return record, results
 
 
-def grouped_bars(ax, groups: list, series: list, value, unit: str, title: str,
-                 label_size: int = 10) -> None:
-  """The smaller benchmarks' panel: for each group a bar per series, value(series, group) high
-  (0 where there is none), with a legend of the series."""
+def plot_by_mode(data: dict, path: Path, groups: list, series: list, key, title: str,
+                 panel_width: float, label_size: int = 10) -> None:
+  """The smaller benchmarks' plot: one panel per mode of data["results"], in each a bar per
+  series for every group, as high as the throughput of the row (without error) whose
+  key(row) is (series, group); `title` heads the figure."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  unit, scale = throughput_unit(data["metadata"]["platform"])
+  rows = [r for r in data["results"] if not r.get("error")]
+  modes = sorted({r["mode"] for r in data["results"]})
+  fig, axes = plt.subplots(1, len(modes), squeeze=False, figsize=(panel_width * len(modes), 4))
   width = 0.8 / max(len(series), 1)
-  for j, name in enumerate(series):
-    ax.bar([i + j * width for i in range(len(groups))],
-           [value(name, group) for group in groups], width, label=name)
-  ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
-  ax.set_xticklabels([str(g) for g in groups], fontsize=label_size)
-  ax.set_title(title)
-  ax.set_ylabel(f"{unit} (visible work)")
-  ax.grid(True, axis="y", alpha=0.3)
-  ax.legend(fontsize=8)
+  for ax, mode in zip(axes[0], modes):
+    for j, name in enumerate(series):
+      values = [next((r["flops_per_s"] / scale for r in rows
+                      if r["mode"] == mode and key(r) == (name, group)), 0.0) for group in groups]
+      ax.bar([i + j * width for i in range(len(groups))], values, width, label=name)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
+    ax.set_xticklabels([str(g) for g in groups], fontsize=label_size)
+    ax.set_title(mode)
+    ax.set_ylabel(f"{unit} (visible work)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
 
 
 def plot(data: dict, path: Path) -> None:

@@ -132,29 +132,14 @@ def table(rows: list[dict], unit: str, scale: float) -> list[str]:
 
 
 def plot(data: dict, path: Path) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   meta = data["metadata"]
-  unit, scale = bench_attention.throughput_unit(meta["platform"])
-  modes = sorted({r["mode"] for r in data["results"]})
-  fig, axes = plt.subplots(1, len(modes), squeeze=False, figsize=(6 * len(modes), 4))
-  ways = [w for family in FAMILIES.values() for w in family]
-  impls = sorted({r["impl"] for r in data["results"]}, key=IMPLS.index)
-  for ax, mode in zip(axes[0], modes):
-    def value(impl, way, mode=mode):
-      return next((r["flops_per_s"] / scale for r in data["results"]
-                   if r["impl"] == impl and r["mode"] == mode and r["way"] == way
-                   and not r.get("error")), 0.0)
-    bench_attention.grouped_bars(ax, ways, impls, value, unit, mode, label_size=7)
-  fig.suptitle(f"mask and bias arrays | {meta['device_kind']} | B={meta['batch']}, "
-               f"T=S={meta['seq']}, N={meta['heads']}, H={meta['head_dim']}, {meta['dtype']}",
-               fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  bench_attention.plot_by_mode(
+      data, path, groups=[w for family in FAMILIES.values() for w in family],
+      series=sorted({r["impl"] for r in data["results"]}, key=IMPLS.index),
+      key=lambda r: (r["impl"], r["way"]),
+      title=f"mask and bias arrays | {meta['device_kind']} | B={meta['batch']}, "
+            f"T=S={meta['seq']}, N={meta['heads']}, H={meta['head_dim']}, {meta['dtype']}",
+      panel_width=6, label_size=7)
 
 
 def parse_args(argv=None):

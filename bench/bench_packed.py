@@ -123,30 +123,15 @@ def table(rows: list[dict], unit: str, scale: float) -> list[str]:
 
 
 def plot(data: dict, path: Path) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   meta = data["metadata"]
-  unit, scale = bench_attention.throughput_unit(meta["platform"])
-  modes = sorted({r["mode"] for r in data["results"]})
-  fig, axes = plt.subplots(1, len(modes), squeeze=False, figsize=(5.5 * len(modes), 4))
-  impls = [i for i in IMPLS if any(r["impl"] == i and not r.get("error")
-                                   for r in data["results"])]
-  head_dims = sorted({r["H"] for r in data["results"]})
-  for ax, mode in zip(axes[0], modes):
-    def value(impl, group, mode=mode):
-      return next((r["flops_per_s"] / scale for r in data["results"]
-                   if r["impl"] == impl and r["mode"] == mode and f"H={r['H']}" == group
-                   and not r.get("error")), 0.0)
-    bench_attention.grouped_bars(ax, [f"H={H}" for H in head_dims], impls, value, unit, mode)
-  fig.suptitle(f"packed rows | {meta['device_kind']} | {meta['docs']} documents x "
-               f"{meta['doc_len']} tokens, N={meta['heads']}, {meta['dtype']}, causal",
-               fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  bench_attention.plot_by_mode(
+      data, path, groups=[f"H={H}" for H in sorted({r["H"] for r in data["results"]})],
+      series=[i for i in IMPLS if any(r["impl"] == i and not r.get("error")
+                                      for r in data["results"])],
+      key=lambda r: (r["impl"], f"H={r['H']}"),
+      title=f"packed rows | {meta['device_kind']} | {meta['docs']} documents x "
+            f"{meta['doc_len']} tokens, N={meta['heads']}, {meta['dtype']}, causal",
+      panel_width=5.5)
 
 
 def parse_args(argv=None):
