@@ -283,9 +283,9 @@ def forward(config, q, k, v, bias, mask, q_len, kv_len, *, q_seg=None, kv_seg=No
   return _unrows(out, plan).astype(q.dtype), lse.reshape(B, N, T)
 
 
-def needs_renormalization(lse):
-  """Whether any live row of `lse` reaches RENORMALIZE_FROM in magnitude (a traced bool)."""
-  return jnp.any(jnp.isfinite(lse) & (jnp.abs(lse) >= RENORMALIZE_FROM))
+def needs_renormalization(lse, limit=RENORMALIZE_FROM):
+  """Whether any live row of `lse` reaches `limit` in magnitude (a traced bool)."""
+  return jnp.any(jnp.isfinite(lse) & (jnp.abs(lse) >= limit))
 
 
 def backward(config, q, k, v, bias, mask, q_len, kv_len, out, lse, dout, dlse, *, q_seg=None,

@@ -57,15 +57,19 @@ class Sm90BackwardTile:
 @dataclasses.dataclass(frozen=True)
 class Kernel:
   """One compiled kernel: its tiles and its optional features: the logit arrays it reads
-  ("bias", "mask"), whether it soft-caps logits ("softcap") and whether it takes segment ids
-  ("segment_ids"); those in `alone` it takes only without the others."""
+  ("bias", "mask"), whether it soft-caps logits ("softcap"), whether it takes segment ids
+  ("segment_ids") and, for a backward, whether it computes the bias gradient
+  ("bias_gradient"); those in `alone` it takes only without the others."""
   tiles: tuple
   features: frozenset
   alone: frozenset = frozenset()
 
-  def takes(self, *, bias: bool, mask: bool, softcap: bool, segment_ids: bool) -> bool:
+  def takes(self, *, bias: bool, mask: bool, softcap: bool, segment_ids: bool,
+            bias_gradient: bool = False) -> bool:
     """Whether a call with (or without) bias and mask arrays, logit soft-capping and segment
-    ids runs on this kernel."""
+    ids runs on this kernel, computing the bias gradient where `bias_gradient`."""
+    if bias_gradient and "bias_gradient" not in self.features:
+      return False
     wanted = (("bias", bias), ("mask", mask), ("softcap", softcap),
               ("segment_ids", segment_ids))
     used = {name for name, on in wanted if on}

@@ -69,7 +69,8 @@ from ._validation import AttentionConfig, gpu_kernels_run
 
 
 
-def _attributes(config: AttentionConfig, bias, mask, mask_tiles, q_len, kv_len, q_seg) -> dict:
+def _attributes(config: AttentionConfig, bias, mask, mask_tiles, q_len, kv_len, q_seg,
+                bias_gradient=False) -> dict:
   # XLA FFI attributes are typed exactly: float64 scale and softcap, int64 windows, bool flags.
   return dict(
       scale=np.float64(config.scale),
@@ -83,6 +84,7 @@ def _attributes(config: AttentionConfig, bias, mask, mask_tiles, q_len, kv_len, 
       has_kv_seqlens=kv_len is not None,
       has_segment_ids=q_seg is not None,
       deterministic=bool(config.deterministic),
+      has_dbias=bool(bias_gradient),
   )
 
 
@@ -246,16 +248,18 @@ def _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, *, 
 
 
 def _backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg,
-                   kv_seg, *, gpu_workspace=False):
-  """The backward FFI call. With gpu_workspace (the CUDA handler) one more result: the Hopper
-  backward's workspace, which XLA allocates with the call's other buffers and which is dropped
-  here (a temporary of the compiled program); a mask then travels with its operands for the
-  Hopper kernels (`_mask_tiles`)."""
+                   kv_seg, *, bias_gradient, gpu_workspace=False):
+  """The backward FFI call; the bias gradient is computed where `bias_gradient` (else None).
+  With gpu_workspace (the CUDA handler) one more result: the Hopper backward's workspace,
+  which XLA allocates with the call's other buffers and which is dropped here (a temporary of
+  the compiled program); a mask then travels with its operands for the Hopper kernels
+  (`_mask_tiles`)."""
   _extension.ensure_registered()
   batch = _batch_shape(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg, kv_seg)
   rank = len(batch)
   result_types = [jax.ShapeDtypeStruct(batch + x.shape[rank:], x.dtype) for x in (q, k, v)]
-  if bias is not None:
+  bias_gradient = bias is not None and bias_gradient
+  if bias_gradient:
     # The bias gradient has the full extent on the axes added by vmap (one gradient per mapped
     # problem) and the bias's own extents elsewhere: the kernels sum over the axes where a
     # problem broadcasts the bias.
@@ -274,10 +278,11 @@ def _backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_
   operands = (q, k, v, out, lse, dout, dlse, *_present(bias, mask), *tiles,
               *_present(q_len, kv_len), *_segments(q_seg, kv_seg))
   grads = _varying.varying_like(
-      call(*operands, **_attributes(config, bias, mask, tiles, q_len, kv_len, q_seg)),
+      call(*operands, **_attributes(config, bias, mask, tiles, q_len, kv_len, q_seg,
+                                    bias_gradient)),
       *operands)
   dq, dk, dv = grads[:3]
-  return dq, dk, dv, (grads[3] if bias is not None else None)
+  return dq, dk, dv, (grads[3] if bias_gradient else None)
 
 
 # --- the blockwise path on several batch axes --------------------------------------------------
@@ -327,11 +332,13 @@ def _blockwise_forward(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg
 
 
 def _blockwise_backward(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg,
-                        kv_seg):
+                        kv_seg, *, bias_gradient):
   def run(renormalize, operands):
     def canonical(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg, kv_seg):
-      return _blockwise.backward(config, q, k, v, bias, mask, q_len, kv_len, out, lse, dout,
-                                 dlse, q_seg=q_seg, kv_seg=kv_seg, renormalize=renormalize)
+      dq, dk, dv, dbias = _blockwise.backward(config, q, k, v, bias, mask, q_len, kv_len, out,
+                                              lse, dout, dlse, q_seg=q_seg, kv_seg=kv_seg,
+                                              renormalize=renormalize)
+      return dq, dk, dv, (dbias if bias_gradient else None)
 
     return tuple(_over_batch_axes(canonical, operands, _batch_shape(*operands)))
 
@@ -349,23 +356,27 @@ def _blockwise_backward(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len
 # --- platform routing --------------------------------------------------------------------------
 
 
-def _on_gpu_kernel(kernel: _config.Kernel, kernel_call, blockwise_call, config, bias, mask,
-                   q_seg):
-  """The Hopper kernel's call when it reads the call's optional arrays, applies its logit
-  soft-capping and takes its segment ids, else the blockwise one."""
+def _on_gpu_kernel(kernel: _config.Kernel, kernel_call, blockwise_call, config, q, bias, mask,
+                   q_seg, bias_gradient=False):
+  """The Hopper kernel's call when it reads the call's optional arrays (a bias of the inputs'
+  dtype), applies its logit soft-capping, takes its segment ids and computes the gradients
+  asked for, else the blockwise one."""
+  if bias is not None and bias.dtype != q.dtype:
+    return blockwise_call
   if kernel.takes(bias=bias is not None, mask=mask is not None, softcap=config.softcap > 0,
-                  segment_ids=q_seg is not None):
+                  segment_ids=q_seg is not None, bias_gradient=bias_gradient):
     return kernel_call
   return blockwise_call
 
 
 def _cuda_call(kernel: _config.Kernel, kernel_call, blockwise_call, config, q, bias, mask,
-               q_seg):
+               q_seg, bias_gradient=False):
   """The call a pass runs on CUDA: the blockwise one where the Hopper kernels cannot run the
   call's dtype (or were not built), else as `_on_gpu_kernel` decides by its features."""
   if not gpu_kernels_run(q.dtype):
     return blockwise_call
-  return _on_gpu_kernel(kernel, kernel_call, blockwise_call, config, bias, mask, q_seg)
+  return _on_gpu_kernel(kernel, kernel_call, blockwise_call, config, q, bias, mask, q_seg,
+                        bias_gradient)
 
 
 def _gpu_forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
@@ -391,15 +402,41 @@ def _forward_impl(spec: _sharding.CallSpec, q, k, v, bias, mask, q_len, kv_len, 
                                       cpu=functools.partial(_forward_call, config), cuda=cuda))
 
 
+# |lse| from which the Hopper backward with a bias hands a call to the blockwise one. The
+# kernels recover P = exp2(S log2(e) - lse log2(e)) from the float32 lse, which shifts every P of
+# a row by up to half an ulp of lse (relative 1e-4 here, within the 16-bit dtypes' rounding);
+# without a bias logits stay far below this, but a bias can carry them anywhere (1e30 used as a
+# mask), and only the blockwise backward renormalises such rows.
+_KERNEL_BIAS_LSE_LIMIT = 2.0 ** 12
+
+
+def _gpu_backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg,
+                       kv_seg, *, bias_gradient):
+  """The Hopper backward; with a bias, the blockwise one where some |lse| reaches
+  _KERNEL_BIAS_LSE_LIMIT (decided on the device, once per call)."""
+  operands = (q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg, kv_seg)
+  kernel = functools.partial(_backward_call, config, bias_gradient=bias_gradient,
+                             gpu_workspace=True)
+  if bias is None:
+    return kernel(*operands)
+  blockwise = functools.partial(_blockwise_backward, config, bias_gradient=bias_gradient)
+  return lax.cond(_blockwise.needs_renormalization(lse, _KERNEL_BIAS_LSE_LIMIT),
+                  lambda ops: tuple(blockwise(*ops)), lambda ops: tuple(kernel(*ops)), operands)
+
+
 def _backward_impl(spec: _sharding.CallSpec, q, k, v, out, lse, dout, dlse, bias, mask, q_len,
                    kv_len, q_seg, kv_seg):
   config = spec.config
+  wanted = spec.bias_gradient
   cuda = _cuda_call(_config.SM90_BACKWARD,
-                    functools.partial(_backward_call, config, gpu_workspace=True),
-                    functools.partial(_blockwise_backward, config), config, q, bias, mask, q_seg)
+                    functools.partial(_gpu_backward_call, config, bias_gradient=wanted),
+                    functools.partial(_blockwise_backward, config, bias_gradient=wanted), config,
+                    q, bias, mask, q_seg, wanted)
   return tuple(lax.platform_dependent(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len,
                                       q_seg, kv_seg,
-                                      cpu=functools.partial(_backward_call, config), cuda=cuda))
+                                      cpu=functools.partial(_backward_call, config,
+                                                            bias_gradient=wanted),
+                                      cuda=cuda))
 
 
 _partitioned_forward = _sharding.partitioned(_sharding.FORWARD, _forward_impl)
@@ -437,8 +474,9 @@ def _forward(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
   return _batched("fwd", spec)(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
 
 
-def _backward(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg, kv_seg):
-  spec = _sharding.CallSpec.of(config, bias, mask, q_len, kv_len, q_seg)
+def _backward(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg, kv_seg,
+              bias_gradient=True):
+  spec = _sharding.CallSpec.of(config, bias, mask, q_len, kv_len, q_seg, bias_gradient)
   return _batched("bwd", spec)(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg,
                                kv_seg)
 
@@ -472,23 +510,55 @@ def _forward_of_derivative_jvp(config, primals, tangents):
       "jax.nn.dot_product_attention (implementation='xla').")
 
 
+@jax.tree_util.register_pytree_node_class
+class _BiasResidual:
+  """The bias as the backward keeps it, with whether its gradient is wanted (static: a bias
+  that is not differentiated, such as a constant one, lets the Hopper backward run)."""
+
+  def __init__(self, bias, wanted: bool):
+    self.bias, self.wanted = bias, wanted
+
+  def tree_flatten(self):
+    return (self.bias,), self.wanted
+
+  @classmethod
+  def tree_unflatten(cls, wanted, children):
+    return cls(children[0], wanted)
+
+
+def _primal(x):
+  return x.value if isinstance(x, jax.custom_derivatives.CustomVJPPrimal) else x
+
+
+def _dense(cotangent):
+  if isinstance(cotangent, jax.custom_derivatives.SymbolicZero):
+    return jnp.zeros(cotangent.shape, cotangent.dtype)
+  return cotangent
+
+
 def _attention_fwd(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
+  # symbolic_zeros: the operands come as CustomVJPPrimal leaves, which say whether the bias
+  # is differentiated.
+  bias_wanted = bias is not None and bias.perturbed
+  q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg = map(
+      _primal, (q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg))
   out, lse = _forward_of_derivative(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
-  return (out, lse), (q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, out, lse)
+  return (out, lse), (q, k, v, _BiasResidual(bias, bias_wanted), mask, q_len, kv_len, q_seg,
+                      kv_seg, out, lse)
 
 
 def _attention_bwd(config, residuals, cotangents):
   q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, out, lse = residuals
-  dout, dlse = cotangents
+  dout, dlse = map(_dense, cotangents)
   dq, dk, dv, dbias = _backward(config, q, k, v, out, lse, dout.astype(out.dtype),
-                                dlse.astype(lse.dtype), bias, mask, q_len, kv_len, q_seg,
-                                kv_seg)
-  # Masks, sequence lengths and segment ids are not differentiable: None is their zero
-  # cotangent.
+                                dlse.astype(lse.dtype), bias.bias, mask, q_len, kv_len, q_seg,
+                                kv_seg, bias_gradient=bias.wanted)
+  # Masks, sequence lengths and segment ids are not differentiable, nor a bias whose gradient
+  # is not wanted: None is their zero cotangent.
   return dq, dk, dv, dbias, None, None, None, None, None
 
 
-attention.defvjp(_attention_fwd, _attention_bwd)
+attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 # --- ring attention inside shard_map -----------------------------------------------------------

@@ -97,8 +97,9 @@ from ._validation import AttentionConfig
 
 @dataclasses.dataclass(frozen=True)
 class CallSpec:
-  """The static part of a partitioned call: the kernel options and which optional operands
-  (bias, mask, query lengths, key/value lengths, the pair of segment ids) are present."""
+  """The static part of a partitioned call: the kernel options, which optional operands
+  (bias, mask, query lengths, key/value lengths, the pair of segment ids) are present and, for
+  the backward, whether the bias gradient is wanted."""
 
   config: AttentionConfig
   has_bias: bool
@@ -106,11 +107,12 @@ class CallSpec:
   has_q_len: bool
   has_kv_len: bool
   has_segment_ids: bool
+  bias_gradient: bool = True
 
   @staticmethod
-  def of(config, bias, mask, q_len, kv_len, q_seg) -> "CallSpec":
+  def of(config, bias, mask, q_len, kv_len, q_seg, bias_gradient=True) -> "CallSpec":
     return CallSpec(config, bias is not None, mask is not None, q_len is not None,
-                    kv_len is not None, q_seg is not None)
+                    kv_len is not None, q_seg is not None, bias is not None and bias_gradient)
 
   def optional_present(self) -> tuple[bool, ...]:
     return (self.has_bias, self.has_mask, self.has_q_len, self.has_kv_len,
@@ -140,7 +142,7 @@ class _Kind:
   name: str
   operands: tuple[tuple[str, str], ...]  # before the optional operands
   results: tuple[tuple[str, str], ...]
-  bias_gradient: bool  # the last result is d(bias), present exactly when bias is
+  bias_gradient: bool  # the last result is d(bias), present when bias is and it is wanted
 
   def operand_roles(self, spec: CallSpec) -> list[tuple[str, str] | None]:
     return list(self.operands) + [o if p else None
@@ -149,7 +151,7 @@ class _Kind:
   def result_roles(self, spec: CallSpec) -> list[tuple[str, str] | None]:
     roles: list[tuple[str, str] | None] = list(self.results)
     if self.bias_gradient:
-      roles.append(("bias gradient", "logits") if spec.has_bias else None)
+      roles.append(("bias gradient", "logits") if spec.bias_gradient else None)
     return roles
 
 

@@ -364,8 +364,8 @@ def check_forward(case: Case, platform: str = "cpu", seed: int = 0, inp: Inputs 
   return out, lse
 
 
-def _grad_argnums(inp: Inputs):
-  return (0, 1, 2, 3) if inp.bias is not None else (0, 1, 2)
+def _grad_argnums(inp: Inputs, bias_gradient: bool = True):
+  return (0, 1, 2, 3) if inp.bias is not None and bias_gradient else (0, 1, 2)
 
 
 def cotangents(case: Case, inp: Inputs, vis: np.ndarray, seed: int):
@@ -451,17 +451,18 @@ def row_term_error(case: Case, inp: Inputs, vis: np.ndarray, out_ours, out_hi, d
 
 
 def check_gradients(case: Case, platform: str = "cpu", seed: int = 0, *, through_lse=False,
-                    inp: Inputs | None = None, grad_fn=None):
+                    inp: Inputs | None = None, grad_fn=None, bias_gradient=True):
   """dq, dk, dv (and dbias) against those of the definition in float64, with the baseline's
   error as the yardstick (xla or cuDNN in the input dtype). With through_lse the cotangent also
   reaches the returned log-sum-exp; jax's path stops that gradient, so the baseline is then the
   definition in the input dtype. grad_fn(f, primals, cotangent) -> (grads, primal output)
-  replaces jax.vjp for ours (to go through jax.grad, jit, checkpoint...)."""
+  replaces jax.vjp for ours (to go through jax.grad, jit, checkpoint...). Without
+  bias_gradient a bias is a constant of the differentiated function (no dbias)."""
   inp = make_inputs(case, seed) if inp is None else inp
   dt = np_dtype(case.dtype)
   vis = visibility(case, inp)
   dout, dlse = cotangents(case, inp, vis, seed)
-  argnums = _grad_argnums(inp)
+  argnums = _grad_argnums(inp, bias_gradient)
   ops = _operands(inp)
   diff = [ops[i] for i in argnums]
 
@@ -487,8 +488,10 @@ def check_gradients(case: Case, platform: str = "cpu", seed: int = 0, *, through
 
   def definition(dtype, with_primal_out=False):
     """vjp of the definition on the inputs cast to dtype (gradients in dtype)."""
+    constant_bias = None if inp.bias is None else jnp.asarray(inp.bias).astype(dtype)
+
     def f(*d):
-      out, lse = ref.attention_with_lse(*d[:3], d[3] if len(d) > 3 else None, vis,
+      out, lse = ref.attention_with_lse(*d[:3], d[3] if len(d) > 3 else constant_bias, vis,
                                         scale=case.scale, softcap=case.softcap)
       return (out, lse) if through_lse else out
     ct = jnp.asarray(dout).astype(dtype)

@@ -11,7 +11,10 @@ compiled dtype, the backward's ordered (deterministic) dQ reduction, logit soft-
 (its own instantiation of each tile; causal, ragged) and segment ids (sorted and not; their
 own instantiations, with and without soft-capping) and mask arrays (their own instantiations
 on each head dim's default tile: empty, full and partial blocks, per head with grouped heads,
-and under the ordered dQ reduction, which visits the empty ones). A head dim with several forward tiles
+and under the ordered dQ reduction, which visits the empty ones) and bias arrays (their own
+instantiations on the default tiles: per head and batch item with grouped heads and odd key
+counts, read element by element; broadcast over queries, read in pairs; under the ordered dQ
+reduction). A head dim with several forward tiles
 runs its causal, segment-id and few-row cases (decoding among them) on the tile that prefers
 them (kernel_configs.json) and the others on its default. Each case also runs
 the gradients (the backward's three kernels). Every output and gradient is checked to be
@@ -70,10 +73,15 @@ def cases():
                  lengths="ragged", mask="patches")
       yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=False, window=None,
                  lengths=None, mask="patches", deterministic=True)
+    if "bias" in _config.SM90_FORWARD.features | _config.SM90_BACKWARD.features:
+      yield dict(H=H, dtype=dtypes[i % len(dtypes)], is_causal=True, window=None,
+                 lengths="ragged", bias="BNTS")
+      yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=False, window=(40, 9),
+                 lengths=None, bias="B11S", S=256, deterministic=True)
 
 
 def run(H, dtype, is_causal, window, lengths, B=3, T=167, S=201, N=4, K=2, deterministic=False,
-        grads=True, softcap=None, segments=None, mask=None):
+        grads=True, softcap=None, segments=None, mask=None, bias=None):
   # Inputs from numpy: compiling jax.random's kernels under the sanitizer costs more host time
   # than the attention itself.
   rng = np.random.default_rng(H)
@@ -99,6 +107,9 @@ def run(H, dtype, is_causal, window, lengths, B=3, T=167, S=201, N=4, K=2, deter
     keep = np.where(kind == 2, rng.random((B, N, T, S)) < 0.5, kind == 1)
     keep[..., ::7, :] = False
     kwargs.update(mask=jnp.asarray(keep))
+  if bias is not None:  # a constant of the gradients: the kernels read it, dbias is not wanted
+    shape = tuple({"B": B, "N": N, "T": T, "S": S, "1": 1}[c] for c in bias)
+    kwargs.update(bias=jnp.asarray(rng.standard_normal(shape, np.float32) * 3, dtype))
   dout = jnp.asarray(rng.standard_normal((B, T, N, H), np.float32), dtype)
 
   def loss(q, k, v):
@@ -117,7 +128,7 @@ def run(H, dtype, is_causal, window, lengths, B=3, T=167, S=201, N=4, K=2, deter
     if not np.isfinite(np.asarray(x.astype(jnp.float32))).all():
       raise AssertionError(f"non-finite {name} for H={H} {dtype} causal={is_causal} "
                            f"window={window} lengths={lengths} softcap={softcap} "
-                           f"segments={segments} mask={mask}")
+                           f"segments={segments} mask={mask} bias={bias}")
   return out
 
 

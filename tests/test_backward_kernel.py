@@ -126,7 +126,7 @@ def test_deterministic_gradients_are_bit_identical(platform, H):
 
 def test_calls_without_arrays_reach_the_kernel(platform):
   q = jnp.zeros((1, 64, 2, 64), DTYPES[0])
-  bias = jnp.zeros((1, 2, 64, 64), jnp.float32)
+  bias = jnp.zeros((1, 2, 64, 64), DTYPES[0])
 
   def hlo(*extra, **kwargs):
     def loss(q, k, v):
@@ -148,7 +148,7 @@ def _direct_backward(q, workspace_bytes, **overrides):
   attrs = dict(scale=np.float64(0.125), softcap=np.float64(0.0), window_left=np.int64(-1),
                window_right=np.int64(-1), has_bias=False, has_mask=False,
                has_mask_blocks=False, has_q_seqlens=False, has_kv_seqlens=False,
-               has_segment_ids=False, deterministic=False)
+               has_segment_ids=False, deterministic=False, has_dbias=False)
   attrs.update(overrides)
   call = jax.ffi.ffi_call(_extension.BACKWARD_TARGET, results)
   return jax.block_until_ready(call(q, q, q, q, lse, q, lse, **attrs))

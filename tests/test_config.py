@@ -75,6 +75,10 @@ def test_kernel_features_route_calls():
   assert masking.takes(**dict(plain, softcap=True, segment_ids=True))
   assert not masking.takes(**dict(plain, mask=True, softcap=True))
   assert not masking.takes(**dict(plain, mask=True, segment_ids=True))
+  # A bias whose gradient is wanted needs a kernel that computes it.
+  assert not kernel.takes(**dict(plain, bias=True, bias_gradient=True))
+  differentiating = _config.Kernel(tiles=(), features=frozenset({"bias", "bias_gradient"}))
+  assert differentiating.takes(**dict(plain, bias=True, bias_gradient=True))
 
 
 def test_table_is_consistent():

@@ -538,7 +538,7 @@ def _attrs(**overrides):
   attrs = dict(scale=np.float64(0.5), softcap=np.float64(0.0), window_left=np.int64(-1),
                window_right=np.int64(-1), has_bias=False, has_mask=False,
                has_mask_blocks=False, has_q_seqlens=False, has_kv_seqlens=False,
-               has_segment_ids=False, deterministic=False)
+               has_segment_ids=False, deterministic=False, has_dbias=False)
   attrs.update(overrides)
   return attrs
 
@@ -648,7 +648,22 @@ def test_backward_handler_rejects_dbias_of_another_shape():
   operands, results = _backward_parts()
   bias = np.zeros((1, 4, 5, 7), np.float32)
   with pytest.raises(jax.errors.JaxRuntimeError, match="dbias"):
-    _backward(operands + [bias], results + [((1, 4, 5, 1), np.float32)], has_bias=True)
+    _backward(operands + [bias], results + [((1, 4, 5, 1), np.float32)], has_bias=True,
+              has_dbias=True)
+
+
+def test_backward_handler_rejects_dbias_flag_without_bias():
+  operands, results = _backward_parts()
+  with pytest.raises(jax.errors.JaxRuntimeError, match="has_dbias"):
+    _backward(operands, results + [((1, 4, 5, 7), np.float32)], has_dbias=True)
+
+
+def test_backward_handler_takes_a_bias_without_its_gradient():
+  """has_dbias off: the bias is read and no dbias is returned."""
+  operands, results = _backward_parts()
+  bias = np.zeros((1, 4, 5, 7), np.float32)
+  dq, dk, dv = _backward(operands + [bias], results, has_bias=True)
+  assert dq.shape == operands[0].shape and dk.shape == dv.shape == operands[1].shape
 
 
 @pytest.mark.parametrize("index,name", [(4, "lse"), (5, "dout"), (6, "dlse")])

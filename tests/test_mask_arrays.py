@@ -134,7 +134,8 @@ def test_gpu_routing_of_mask_arrays():
                         is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
                         local_window_size=None).config
   route = functools.partial(_primitive._on_gpu_kernel, kernel_call="kernel",
-                            blockwise_call="blockwise", config=config, q_seg=None)
+                            blockwise_call="blockwise", q=jnp.zeros((1, 4, 2, 8), jnp.bfloat16),
+                            config=config, q_seg=None)
   mask = jnp.ones((1, 1, 4, 4), bool)
   assert route(_config.SM90_FORWARD, bias=None, mask=mask) == "kernel"
   assert route(_config.SM90_FORWARD, bias=mask.astype(jnp.float32), mask=mask) == "blockwise"
@@ -179,7 +180,8 @@ def test_gpu_handler_checks_the_mask_operands(platform):
                            jax.ShapeDtypeStruct((1, 2, 256), jnp.float32)))
   attrs = dict(scale=np.float64(0.125), softcap=np.float64(0.0), window_left=np.int64(-1),
                window_right=np.int64(-1), has_bias=False, has_mask=True, has_q_seqlens=False,
-               has_kv_seqlens=False, has_segment_ids=False, deterministic=False)
+               has_kv_seqlens=False, has_segment_ids=False, deterministic=False,
+               has_dbias=False)
   jax.block_until_ready(call(q, q, q, mask, blocks, bits, has_mask_blocks=True, **attrs))
   for operands, with_tiles, name in (((q, q, q, mask), False, "mask_blocks"),
                                      ((q, q, q, mask, wrong_blocks, bits), True, "mask_blocks"),

@@ -347,7 +347,8 @@ def test_gpu_routing_follows_the_segment_ids_feature():
   taking = _config.Kernel(tiles=(), features=frozenset({"segment_ids"}))
   plain = _config.Kernel(tiles=(), features=frozenset())
   route = functools.partial(_primitive._on_gpu_kernel, kernel_call="kernel",
-                            blockwise_call="blockwise", config=config, bias=None, mask=None)
+                            blockwise_call="blockwise", q=jnp.zeros((1, 4, 2, 8), jnp.bfloat16),
+                            config=config, bias=None, mask=None)
   assert route(taking, q_seg=ids) == "kernel"
   assert route(plain, q_seg=ids) == "blockwise"
   assert route(plain, q_seg=None) == "kernel"

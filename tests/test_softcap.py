@@ -251,7 +251,8 @@ def test_gpu_routing_follows_the_softcap_feature():
   with_cap = _config.Kernel(tiles=(), features=frozenset({"softcap"}))
   without = _config.Kernel(tiles=(), features=frozenset())
   route = functools.partial(_primitive._on_gpu_kernel, kernel_call="kernel",
-                            blockwise_call="blockwise", bias=None, mask=None, q_seg=None)
+                            blockwise_call="blockwise", q=jnp.zeros((1, 4, 2, 8), jnp.bfloat16),
+                            bias=None, mask=None, q_seg=None)
   assert route(with_cap, config=config) == "kernel"
   assert route(without, config=config) == "blockwise"
   assert route(without, config=plain) == "kernel"

@@ -140,7 +140,7 @@ struct BackwardParams {
   Operand dout;
   Operand dlse;  //!< cotangent of the log-sum-exp (zeros unless the residual is used)
   Operand dq, dk, dv;
-  Operand dbias;  //!< present exactly when fwd.bias is
+  Operand dbias;  //!< optional with fwd.bias: present when its gradient is wanted
   //! Bit-identical gradients across runs: the GPU orders its dQ reductions (the CPU kernels
   //! always are).
   bool deterministic = false;

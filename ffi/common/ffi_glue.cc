@@ -363,13 +363,16 @@ Status MakeBackwardParams(const AttentionAttrs& attrs, ffi::AnyBuffer q, ffi::An
   JF_RETURN_IF_ERROR(Describe("dv", ViewOf(*dv), batch, {s.seqlen_k, s.num_kv_heads, s.head_dim},
                               InnerCheck::kExact, BatchCheck::kFull, &p->dv));
   JF_RETURN_IF_ERROR(CheckDtype("dv", p->dv, s.dtype));
-  if (optional_rets.size() != (attrs.has_bias ? 1u : 0u) + platform_rets) {
+  if (attrs.has_dbias && !attrs.has_bias) {
+    return Status::InvalidArgument("jax_flash: has_dbias needs a bias (has_bias)");
+  }
+  if (optional_rets.size() != (attrs.has_dbias ? 1u : 0u) + platform_rets) {
     return Status::InvalidArgument(
-        "jax_flash: dbias must be returned exactly when bias is given (and this platform's "
+        "jax_flash: dbias must be returned exactly when has_dbias is set (and this platform's "
         "backward takes " + std::to_string(platform_rets) + " more results), got " +
         std::to_string(optional_rets.size()) + " results after dv");
   }
-  if (attrs.has_bias) {
+  if (attrs.has_dbias) {
     auto dbias = optional_rets.get<ffi::AnyBuffer>(0);
     if (!dbias.has_value()) return Status::InvalidArgument("jax_flash: cannot decode dbias");
     const Operand& bias = f.bias;

@@ -11,7 +11,8 @@
     where [mask_tiles] is the two operands mask_blocks, mask_bits (attribute has_mask_blocks)
     and [segments] the four operands q_segment_ids, kv_segment_ids, kv_span, q_span. The
     bracketed operands are present in that order exactly when the matching has_* attribute
-    is true. The CUDA backward has one platform result: its workspace, uint8 of the size
+    is true; so is [dbias], with has_dbias (a backward whose bias is not differentiated leaves
+    it out). The CUDA backward has one platform result: its workspace, uint8 of the size
     jax_flash._extension.backward_workspace_bytes reports (XLA allocates it like a temporary).
 */
 #pragma once
@@ -39,6 +40,7 @@ struct AttentionAttrs {
   bool has_kv_seqlens;
   bool has_segment_ids;  //!< the four segment operands (see above)
   bool deterministic;  //!< backward: bit-identical gradients across runs (forward: unused)
+  bool has_dbias;  //!< backward: the bias gradient is returned (needs has_bias; forward: unused)
 };
 
 //! Appends the shared forward signature to a binding that already holds the platform context.
@@ -70,7 +72,7 @@ auto BindBackward(Binding binding) {
       .template Ret<ffi::AnyBuffer>()  // dq
       .template Ret<ffi::AnyBuffer>()  // dk
       .template Ret<ffi::AnyBuffer>()  // dv
-      .RemainingRets();                // [dbias], then the platform's own results
+      .RemainingRets();                // [dbias] (has_dbias), then the platform's own results
 }
 
 //! Validates every buffer against the attributes and fills the parameters; errors name the
@@ -106,4 +108,5 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_flash::AttentionAttrs,
                                       ::xla::ffi::StructMember<bool>("has_q_seqlens"),
                                       ::xla::ffi::StructMember<bool>("has_kv_seqlens"),
                                       ::xla::ffi::StructMember<bool>("has_segment_ids"),
-                                      ::xla::ffi::StructMember<bool>("deterministic"));
+                                      ::xla::ffi::StructMember<bool>("deterministic"),
+                                      ::xla::ffi::StructMember<bool>("has_dbias"));

@@ -608,8 +608,8 @@ class Backward {
 
 Status RunBackward(const BackwardParams& params, TaskRunner& runner) {
   try {
-    if (params.fwd.bias.present() != params.dbias.present()) {
-      return Status::InvalidArgument("jax_flash: dbias must be requested exactly when bias is given");
+    if (params.dbias.present() && !params.fwd.bias.present()) {
+      return Status::InvalidArgument("jax_flash: dbias needs a bias");
     }
     switch (params.fwd.shape.dtype) {
       case ElementType::kFloat64: {

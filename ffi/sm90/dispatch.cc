@@ -47,10 +47,13 @@ Status CheckProblem(const ForwardParams& p, const char* pass, bool takes_bias, b
     return Status::InvalidArgument("jax_flash: the Hopper kernels need the mask's block classes "
                                    "and bits (mask_blocks, mask_bits) with a mask array");
   }
-  if (p.mask.present() && (p.options.softcap > 0 || p.q_segment_ids.present())) {
+  if ((p.mask.present() || p.bias.present()) &&
+      (p.mask.present() + p.bias.present() > 1 || p.options.softcap > 0 ||
+       p.q_segment_ids.present())) {
     return Status::InvalidArgument(std::string("jax_flash: the Hopper ") + pass +
-                                   " kernel takes a mask array without soft-capping or segment "
-                                   "ids (jax_flash routes those calls to its blockwise path)");
+                                   " kernel takes a mask or bias array alone, without "
+                                   "soft-capping, segment ids or the other array (jax_flash "
+                                   "routes those calls to its blockwise path)");
   }
   const bool segments = p.q_segment_ids.present();
   if (segments != p.kv_segment_ids.present() || segments != p.kv_span.present() ||
@@ -101,10 +104,10 @@ Status RunForwardForDtype(const ForwardParams& p, const LaunchContext& context) 
 }
 
 //! Whether a forward tile's preferences (kernel_configs.json) name the problem `p`. A tile with
-//! none is its head dim's default, which runs every problem with a mask array.
+//! none is its head dim's default, which runs every problem with a mask or bias array.
 bool ForwardTilePrefers(const ForwardParams& p, int64_t causal_up_to, bool segment_ids,
                         int64_t rows_up_to) {
-  if (p.mask.present()) return false;
+  if (p.mask.present() || p.bias.present()) return false;
   const bool causal = p.options.window_right == 0;
   return (causal_up_to > 0 && causal && p.shape.seqlen_q <= causal_up_to) ||
          (segment_ids && p.q_segment_ids.present()) ||

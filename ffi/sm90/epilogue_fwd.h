@@ -64,7 +64,7 @@ struct ForwardEpilogue {
   template <class TensorO>
   CUTE_DEVICE static void store(Params const& params, AttentionProblem const& problem,
                                 Element* smem_o, TileInfo const& info, int thread_idx,
-                                TensorO& tOrO, OnlineSoftmax<2>& softmax) {
+                                TensorO& tOrO, typename Traits::Softmax& softmax) {
     typename Traits::TiledMmaPV mma_pv;
     auto thr_pv = mma_pv.get_thread_slice(thread_idx);
     Tensor cO = make_identity_tensor(select<0, 2>(TileShapeQK{}));

@@ -27,7 +27,8 @@ namespace jax_flash::sm90 {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_, bool kSoftcap_, bool kSegments_, bool kMask_>
+template <class Element_, int kHeadDim_, bool kSoftcap_, bool kSegments_, bool kMask_,
+          bool kBias_>
 struct BackwardKernelTraits {
   using Element = Element_;
   using Tile = BackwardTileConfig<kHeadDim_>;
@@ -39,6 +40,8 @@ struct BackwardKernelTraits {
   //! A mask array: its block classes narrow the blocks visited and skip the empty ones, its
   //! elements mask the partial ones.
   static constexpr bool kMask = kMask_;
+  //! A bias array, added to every block's logits (no bias gradient: dbias is not computed).
+  static constexpr bool kBias = kBias_;
   static constexpr int kBlockM = Tile::kBlockM;  //!< queries per step
   static constexpr int kBlockN = Tile::kBlockN;  //!< keys per CTA
   static constexpr int kStagesQ = Tile::kStagesQ;

@@ -11,6 +11,7 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "kernel_traits.h"
+#include "softmax.h"
 #include "sm90_tiles.h"  // generated from jax_flash/kernel_configs.json
 
 namespace jax_flash::sm90 {
@@ -18,7 +19,7 @@ namespace jax_flash::sm90 {
 using namespace cute;
 
 template <class Element_, int kHeadDim_, int kTileBlockM_, bool kSoftcap_, bool kSegments_,
-          bool kMask_>
+          bool kMask_, bool kBias_>
 struct ForwardKernelTraits {
   using Element = Element_;
   using Tile = ForwardTileConfig<kHeadDim_, kTileBlockM_>;
@@ -30,6 +31,10 @@ struct ForwardKernelTraits {
   //! A mask array: its block classes narrow the blocks visited and skip the empty ones, its
   //! elements mask the partial ones.
   static constexpr bool kMask = kMask_;
+  //! A bias array, added to every block's logits.
+  static constexpr bool kBias = kBias_;
+  //! Two rows per thread (a 64-row atom); products rounded where a bias can make logits huge.
+  using Softmax = OnlineSoftmax<2, kBias>;
   static constexpr int kBlockM = Tile::kBlockM;
   static constexpr int kBlockN = Tile::kBlockN;
   static constexpr int kStages = Tile::kStages;

@@ -47,9 +47,9 @@ constexpr bool is_default_forward_tile(int head_dim, int block_m) {
 
 //! Runs the forward on a compiled tile of the smallest head dim that covers the problem's: the
 //! first of that head dim whose preference the problem meets, else its default (see
-//! kernel_configs.json); problems with a mask array always on the default, the tile their
-//! block classes are computed for. Validates what the kernels require (dtype, head dim,
-//! alignment) and reports CUDA errors.
+//! kernel_configs.json); problems with a mask or bias array always on the default, the tile
+//! a mask's block classes are computed for. Validates what the kernels require (dtype, head
+//! dim, alignment) and reports CUDA errors.
 Status RunForward(const ForwardParams& params, const LaunchContext& context);
 
 //! The workspace layout of the backward of `shape` (zero bytes where it has nothing to do).

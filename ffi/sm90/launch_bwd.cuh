@@ -50,6 +50,7 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
   typename Kernel::Params kp;
   Status status = check_mask_operands(f, Traits::kBlockM, Traits::kBlockN,
                                       /*rows_are_keys=*/true);
+  if (status.ok()) status = check_bias_operand(f, &p.dbias);
   if (!status.ok()) return status;
   kp.problem = make_problem(f);
   typename Kernel::Mainloop::Arguments mainloop;
@@ -60,12 +61,13 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
                  {&f.q.batch, &f.k.batch, &f.v.batch, &p.dout.batch, &f.out.batch, &f.lse.batch,
                   &p.dlse.batch, &f.q_seqlens.batch, &f.kv_seqlens.batch,
                   &f.q_segment_ids.batch, &f.kv_segment_ids.batch, &f.q_span.batch,
-                  &f.mask_bits.batch, &f.mask_blocks.batch},
+                  &f.mask_bits.batch, &f.mask_blocks.batch, &f.bias.batch},
                  &kp.problem.batch,
                  {&mainloop.q_batch, &mainloop.k_batch, &mainloop.v_batch, &mainloop.dout_batch,
                   &pre.out_batch, &pre.lse_batch, &pre.dlse_batch, &kp.problem.q_seqlens_batch,
                   &kp.problem.kv_seqlens_batch, &segments.q_ids.batch, &segments.kv_ids.batch,
-                  &segments.q_span.batch, &mask.batch, &mask.blocks_batch});
+                  &segments.q_span.batch, &mask.batch, &mask.blocks_batch,
+                  &kp.problem.bias.batch});
   segments.backward_skips_blocks = !p.deterministic;
   mask.skip_empty_blocks = !p.deterministic;
   pre.dout_batch = mainloop.dout_batch;
@@ -121,6 +123,7 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
   mainloop.num_m_blocks = int32_t(num_m_blocks);
   mainloop.scale_log2 = kernel_scale(f) * kLog2e;
   mainloop.softcap = kernel_softcap(f);
+  mainloop.inv_scale = 1.f / kernel_scale(f);
   // A window bounded on one side only makes the key blocks at the other end see more queries:
   // causal (bounded on the right) gives the first key blocks the most work, which the natural
   // order already runs first. Every key block of a head reads all its queries' Q and dO and
@@ -167,13 +170,14 @@ template <ElementType kDtype, int kTileHeadDim>
 Status RunBackwardTile(const BackwardParams& params, const BackwardWorkspaceLayout& layout,
                        void* workspace, const LaunchContext& context) {
   using Element = typename CutlassElement<kDtype>::type;
-  static_assert(!(kBackwardTakesSoftcap && kBackwardTakesBias),
-                "softcap.h recovers tanh from P and the lse, which a bias would shift");
-  return with_features<kBackwardTakesSoftcap, kBackwardTakesSegmentIds, kBackwardTakesMask>(
-      params.fwd, [&](auto softcap, auto segments, auto mask) {
+  // softcap.h recovers tanh from P and the lse, which a bias would shift: with_features
+  // never instantiates the two together (a bias is taken alone).
+  return with_features<kBackwardTakesSoftcap, kBackwardTakesSegmentIds, kBackwardTakesMask,
+                       kBackwardTakesBias>(
+      params.fwd, [&](auto softcap, auto segments, auto mask, auto bias) {
         return launch_backward<BackwardKernelTraits<Element, kTileHeadDim, decltype(softcap)::value,
                                                     decltype(segments)::value,
-                                                    decltype(mask)::value>>(
+                                                    decltype(mask)::value, decltype(bias)::value>>(
             params, layout, workspace, context);
       });
 }

@@ -67,8 +67,8 @@ void coalesce_batch(const BatchShape& shape, const BatchMap* const (&maps)[kOper
   }
 }
 
-//! The problem's sizes, visibility rule, segment ids and mask array; the batch axes (of the
-//! problem and of each per-item array) are filled by coalesce_batch.
+//! The problem's sizes, visibility rule, segment ids, mask and bias arrays; the batch axes (of
+//! the problem and of each per-item array) are filled by coalesce_batch.
 inline AttentionProblem make_problem(const ForwardParams& p) {
   const AttentionShape& s = p.shape;
   AttentionProblem problem;
@@ -102,6 +102,17 @@ inline AttentionProblem make_problem(const ForwardParams& p) {
     mask.blocks_head_stride = int32_t(p.mask_blocks.stride[0]);
     mask.blocks_m_stride = int32_t(p.mask_blocks.stride[1]);
     mask.blocks_n_stride = int32_t(p.mask_blocks.stride[2]);
+  }
+  if (p.bias.present()) {
+    BiasArray& bias = problem.bias;
+    bias.data = p.bias.data;
+    bias.item_stride = p.bias.batch_stride;
+    bias.head_stride = p.bias.stride[0];
+    bias.row_stride = p.bias.stride[1];
+    bias.col_stride = p.bias.stride[2];
+    bias.paired = bias.col_stride == 1 && bias.item_stride % 2 == 0 &&
+                  bias.head_stride % 2 == 0 && bias.row_stride % 2 == 0 &&
+                  reinterpret_cast<uintptr_t>(bias.data) % 4 == 0;
   }
   return problem;
 }
@@ -141,6 +152,22 @@ inline Status check_mask_operands(const ForwardParams& p, int block_m, int block
   return check("mask_bits", p.mask_bits, ElementType::kUInt32, bits,
                rows_are_keys ? "the mask's key rows (the mask transposed) as uint32 bits"
                              : "the mask's query rows as uint32 bits");
+}
+
+//! Checks what the kernels require of a bias array: the inputs' dtype (they read it as such)
+//! and, in the backward, no bias gradient (the kernels do not compute it).
+inline Status check_bias_operand(const ForwardParams& p, const Operand* dbias) {
+  if (!p.bias.present()) return Status::Ok();
+  if (p.bias.dtype != p.shape.dtype) {
+    return Status::InvalidArgument("jax_flash: the Hopper kernels read a bias of the inputs' "
+                                   "dtype only (jax_flash routes others to its blockwise path)");
+  }
+  if (dbias != nullptr && dbias->present()) {
+    return Status::InvalidArgument("jax_flash: the Hopper backward computes no bias gradient "
+                                   "(jax_flash routes calls that need dbias to its blockwise "
+                                   "path)");
+  }
+  return Status::Ok();
 }
 
 //! Global tensor (sequence, head dim, heads, batch items) of a BTNH operand read in place; its
@@ -204,20 +231,37 @@ inline Status make_schedule(int64_t num_blocks, int64_t num_heads, int64_t num_h
   return Status::Ok();
 }
 
-//! Calls launch(softcap, segments, mask) with the compile-time features the call uses, each an
-//! std::bool_constant: a kernel is instantiated for every combination of soft-capping and
-//! segment ids the pass takes (kTakesSoftcap, kTakesSegments from kernel_configs.json) and,
-//! with kTakesMask, for the mask array alone; dispatch rejects the other calls.
-template <bool kTakesSoftcap, bool kTakesSegments, bool kTakesMask, class Launch>
+//! Calls launch(softcap, segments, mask, bias) with the compile-time features the call uses,
+//! each an std::bool_constant: a kernel is instantiated for every combination of soft-capping
+//! and segment ids the pass takes (kTakesSoftcap, kTakesSegments from kernel_configs.json) and,
+//! with kTakesMask and kTakesBias, for the mask array alone and the bias array alone. A call
+//! with an array the instantiations lack, or with an array and another feature, is an error
+//! (dispatch routes none here).
+template <bool kTakesSoftcap, bool kTakesSegments, bool kTakesMask, bool kTakesBias,
+          class Launch>
 Status with_features(const ForwardParams& p, Launch&& launch) {
-  if constexpr (kTakesMask) {
-    if (p.mask.present()) return launch(std::false_type{}, std::false_type{}, std::true_type{});
+  using Off = std::false_type;
+  using On = std::true_type;
+  const bool arrays = p.mask.present() || p.bias.present();
+  if (arrays && (p.mask.present() + p.bias.present() > 1 || p.options.softcap > 0 ||
+                 p.q_segment_ids.present())) {
+    return Status::InvalidArgument("jax_flash: the Hopper kernels take a mask or bias array "
+                                   "alone, without soft-capping, segment ids or the other array");
+  }
+  if (p.mask.present()) {
+    if constexpr (kTakesMask) return launch(Off{}, Off{}, On{}, Off{});
+  } else if (p.bias.present()) {
+    if constexpr (kTakesBias) return launch(Off{}, Off{}, Off{}, On{});
+  }
+  if (arrays) {
+    return Status::InvalidArgument("jax_flash: this Hopper tile is not compiled for mask or "
+                                   "bias arrays (they run on each head dim's default tile)");
   }
   auto with_segments = [&](auto softcap) {
     if constexpr (kTakesSegments) {
-      if (p.q_segment_ids.present()) return launch(softcap, std::true_type{}, std::false_type{});
+      if (p.q_segment_ids.present()) return launch(softcap, On{}, Off{}, Off{});
     }
-    return launch(softcap, std::false_type{}, std::false_type{});
+    return launch(softcap, Off{}, Off{}, Off{});
   };
   if constexpr (kTakesSoftcap) {
     if (p.options.softcap > 0) return with_segments(std::true_type{});

@@ -25,6 +25,7 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
 
   Status status = check_mask_operands(p, Traits::kBlockM, Traits::kBlockN,
                                       /*rows_are_keys=*/false);
+  if (status.ok()) status = check_bias_operand(p, /*dbias=*/nullptr);
   if (!status.ok()) return status;
   kp.problem = make_problem(p);
   typename Kernel::Mainloop::Arguments mainloop;
@@ -33,17 +34,18 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   coalesce_batch(s.batch,
                  {&p.q.batch, &p.k.batch, &p.v.batch, &p.q_seqlens.batch, &p.kv_seqlens.batch,
                   &p.q_segment_ids.batch, &p.kv_segment_ids.batch, &p.kv_span.batch,
-                  &p.mask_bits.batch, &p.mask_blocks.batch},
+                  &p.mask_bits.batch, &p.mask_blocks.batch, &p.bias.batch},
                  &kp.problem.batch,
                  {&mainloop.q_batch, &mainloop.k_batch, &mainloop.v_batch,
                   &kp.problem.q_seqlens_batch, &kp.problem.kv_seqlens_batch,
                   &segments.q_ids.batch, &segments.kv_ids.batch, &segments.kv_span.batch,
-                  &mask.batch, &mask.blocks_batch});
+                  &mask.batch, &mask.blocks_batch, &kp.problem.bias.batch});
   mainloop.q = sequence_tensor<Element>(p.q, s.seqlen_q, s.num_heads, s.head_dim, s.batch);
   mainloop.k = sequence_tensor<Element>(p.k, s.seqlen_k, s.num_kv_heads, s.head_dim, s.batch);
   mainloop.v = sequence_tensor<Element>(p.v, s.seqlen_k, s.num_kv_heads, s.head_dim, s.batch);
   mainloop.scale_log2 = kernel_scale(p) * kLog2e;
   mainloop.softcap = kernel_softcap(p);
+  mainloop.inv_scale = 1.f / kernel_scale(p);
   kp.mainloop = Kernel::Mainloop::to_params(mainloop);
 
   typename Kernel::Epilogue::Arguments epilogue;
@@ -61,7 +63,7 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   // K and V together from L2), and the lengths of the blocks follow the segments, not their
   // position, so longest-first needs no long sections. A mask array's work per block is not
   // known here; the masks that make it uneven are mostly causal ones (Flax's), so they are
-  // scheduled like a window.
+  // scheduled like a window. A bias adds the same work to every block.
   const bool windowed = p.options.window_left >= 0 || p.options.window_right >= 0 ||
                         p.mask.present();
   const bool packed = p.q_segment_ids.present();
@@ -80,14 +82,17 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
 template <ElementType kDtype, int kTileHeadDim, int kTileBlockM>
 Status RunForwardTile(const ForwardParams& params, const LaunchContext& context) {
   using Element = typename CutlassElement<kDtype>::type;
-  // Mask arrays run on each head dim's default tile, for which Python classifies their blocks.
-  constexpr bool kTakesMask = kForwardTakesMask && is_default_forward_tile(kTileHeadDim, kTileBlockM);
-  return with_features<kForwardTakesSoftcap, kForwardTakesSegmentIds, kTakesMask>(
-      params, [&](auto softcap, auto segments, auto mask) {
+  // Mask and bias arrays run on each head dim's default tile, for which Python classifies the
+  // mask's blocks (one instantiation each instead of one per tile).
+  constexpr bool kDefault = is_default_forward_tile(kTileHeadDim, kTileBlockM);
+  return with_features<kForwardTakesSoftcap, kForwardTakesSegmentIds, kForwardTakesMask && kDefault,
+                       kForwardTakesBias && kDefault>(
+      params, [&](auto softcap, auto segments, auto mask, auto bias) {
         return launch_forward<ForwardKernelTraits<Element, kTileHeadDim, kTileBlockM,
                                                   decltype(softcap)::value,
                                                   decltype(segments)::value,
-                                                  decltype(mask)::value>>(params, context);
+                                                  decltype(mask)::value, decltype(bias)::value>>(
+            params, context);
       });
 }
 

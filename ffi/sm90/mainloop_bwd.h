@@ -62,6 +62,7 @@ struct BackwardMainloop {
     int32_t num_m_blocks;
     float scale_log2;  //!< softmax scale times log2(e), > 0
     LogitSoftcap softcap;  //!< used when Traits::kSoftcap
+    float inv_scale;       //!< 1 / softmax scale, for the bias
   };
 
   struct Params {
@@ -78,6 +79,7 @@ struct BackwardMainloop {
     int32_t num_m_blocks;
     float scale_log2;
     LogitSoftcap softcap;
+    float inv_scale;
   };
 
   static Params to_params(Arguments const& args) {
@@ -108,6 +110,7 @@ struct BackwardMainloop {
     params.num_m_blocks = args.num_m_blocks;
     params.scale_log2 = args.scale_log2;
     params.softcap = args.softcap;
+    params.inv_scale = args.inv_scale;
     return params;
   }
 
@@ -176,6 +179,10 @@ struct BackwardMainloop {
     //! The mask array of query head `g` of the group.
     CUTE_DEVICE MaskView mask_of(AttentionProblem const& p, int32_t g) const {
       return MaskView::of(p.mask, p.batch, coord.batch, coord.head * p.group_size + g);
+    }
+    //! The bias of query head `g` of the group at (query 0, key 0).
+    CUTE_DEVICE const Element* bias_of(AttentionProblem const& p, int32_t g) const {
+      return p.bias.template of<Element>(p.batch, coord.batch, coord.head * p.group_size + g);
     }
     //! The class of query block m_block under `mask` (every block is full without a mask).
     CUTE_DEVICE MaskBlock query_block_class(AttentionProblem const& p, MaskView const& mask,
@@ -425,8 +432,19 @@ struct BackwardMainloop {
                                                              tdQrK, tdQrdQ);
     };
 
+    // The bias, read transposed: along the keys (rows) with its key stride, along the queries
+    // (columns) with its query stride.
+    auto prefetch_bias = [&](const Element* bias, int32_t m_block) {
+      if constexpr (Traits::kBias) {
+        mask.prefetch_bias(bias, problem.bias.col_stride, problem.bias.row_stride, info.n_start(),
+                           problem.seqlen_k, m_block * kBlockM, problem.seqlen_q);
+      }
+    };
+
     int ds_stage = 0;
-    auto step = [&](int32_t m_block, MaskView const& mask_view, MaskBlock cls) {
+    auto step = [&](int32_t m_block, MaskView const& mask_view, MaskBlock cls,
+                    const Element* bias) {
+      prefetch_bias(bias, m_block);
       // S^T = K Q^T and dP^T = V dO^T, back to back.
       Tensor tSrS = partition_fragment_C(mma_sdp, ShapeSt{});
       Tensor tdPrdP = partition_fragment_C(mma_sdp, ShapeSt{});
@@ -438,9 +456,14 @@ struct BackwardMainloop {
       warpgroup_wait<1>();  // S^T complete; dP^T may still run
 
       // P^T = exp2(S^T * scale * log2(e) - lse * log2(e)), from the saved log-sum-exp, with
-      // S^T capped and masked as in the forward.
+      // S^T capped or biased, and masked, as in the forward.
       Tensor s = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
       if constexpr (Traits::kSoftcap) params.softcap.apply(s);
+      if constexpr (Traits::kBias) {
+        mask.add_bias(s, bias, problem.bias.col_stride, problem.bias.row_stride,
+                      /*paired=*/false, params.inv_scale, info.n_start(), problem.seqlen_k,
+                      m_block * kBlockM, problem.seqlen_q);
+      }
       mask.apply_block(s, visibility,
                        Range::needs_mask</*kMaskQueryTail=*/true>(problem, info.lens, m_block,
                                                                   info.coord.block),
@@ -544,6 +567,7 @@ struct BackwardMainloop {
     storage.kv_full.wait(0);
     for (int32_t g = 0; g < problem.group_size; ++g) {
       const auto mask_view = info.mask_of(problem, g);
+      const Element* bias = Traits::kBias ? info.bias_of(problem, g) : nullptr;
       // Each block's class is read a step ahead, so that skipping does not wait on its load.
       MaskBlock cls = info.query_block_class(problem, mask_view, info.queries.begin);
       CUTE_NO_UNROLL
@@ -551,7 +575,7 @@ struct BackwardMainloop {
         const MaskBlock next = m_block + 1 < info.queries.end
                                    ? info.query_block_class(problem, mask_view, m_block + 1)
                                    : MaskBlock::kEmpty;
-        if (!TileInfo::skips(problem, cls)) step(m_block, mask_view, cls);
+        if (!TileInfo::skips(problem, cls)) step(m_block, mask_view, cls, bias);
         cls = next;
       }
     }

@@ -1,9 +1,9 @@
 /*! \file mainloop_fwd.h
     \brief The forward mainloop collective: its arguments, parameters (TMA descriptors) and
            shared storage; the producer's TMA loads of Q and of the K/V pipeline; the consumers'
-           QK^T -> soft-cap (optional) -> mask -> online softmax -> PV sequence. With segment
-           ids, a tile visits only the key blocks its rows' segments reach; with a mask array,
-           only the key blocks its classes leave non-empty.
+           QK^T -> soft-cap or bias (optional) -> mask -> online softmax -> PV sequence. With
+           segment ids, a tile visits only the key blocks its rows' segments reach; with a mask
+           array, only the key blocks its classes leave non-empty.
 
     Consumers overlap within a warpgroup: while the softmax of key block j runs, the wgmma of
     P_{j+1} V_{j+1} (issued just before) proceeds on the tensor cores. Across warpgroups they
@@ -43,6 +43,7 @@ struct ForwardMainloop {
     DeviceBatchMap q_batch, k_batch, v_batch;  //!< own batch item of each operand
     float scale_log2;                          //!< softmax scale times log2(e), > 0
     LogitSoftcap softcap;                      //!< used when Traits::kSoftcap
+    float inv_scale;                           //!< 1 / softmax scale, for the bias
   };
 
   struct Params {
@@ -53,6 +54,7 @@ struct ForwardMainloop {
     DeviceBatchMap q_batch, k_batch, v_batch;
     float scale_log2;
     LogitSoftcap softcap;
+    float inv_scale;
   };
 
   static Params to_params(Arguments const& args) {
@@ -73,6 +75,7 @@ struct ForwardMainloop {
     params.v_batch = args.v_batch;
     params.scale_log2 = args.scale_log2;
     params.softcap = args.softcap;
+    params.inv_scale = args.inv_scale;
     return params;
   }
 
@@ -86,7 +89,7 @@ struct ForwardMainloop {
     typename PipelineKV::SharedStorage pipeline_v;
   };
 
-  struct NoMask {};
+  struct Absent {};
 
   //! What producer and consumers know alike about one (query block, head, batch) tile. Built
   //! by whole warps (with segment ids or a mask array, a warp collective narrows the keys).
@@ -96,7 +99,9 @@ struct ForwardMainloop {
     BlockSpan keys;  //!< key blocks that may hold visible keys
     //! Keys sharing a segment with some / every row of the tile.
     SegmentReachOf<Traits::kSegments> segments;
-    std::conditional_t<Traits::kMask, MaskView, NoMask> mask;
+    std::conditional_t<Traits::kMask, MaskView, Absent> mask;
+    //! The bias of the tile's (batch item, head) at (query 0, key 0).
+    std::conditional_t<Traits::kBias, const Element*, Absent> bias;
 
     CUTE_DEVICE TileInfo(AttentionProblem const& p, TileCoord const& c)
         : coord(c), lens(p, c.batch), keys(Range::key_blocks(p, lens, c.block)) {
@@ -111,6 +116,7 @@ struct ForwardMainloop {
         mask = MaskView::of(p.mask, p.batch, c.batch, c.head);
         keys = narrow_by_mask</*kOwnIsKeyBlock=*/false>(p.mask, mask, c.block, keys);
       }
+      if constexpr (Traits::kBias) bias = p.bias.template of<Element>(p.batch, c.batch, c.head);
     }
     CUTE_DEVICE bool empty() const { return keys.empty(); }
     CUTE_DEVICE int32_t m_start() const { return coord.block * Traits::kBlockM; }
@@ -250,7 +256,7 @@ struct ForwardMainloop {
                               SharedStorage& storage, PipelineKV& pipeline_k,
                               PipelineKV& pipeline_v, PipelineState& read_state, uint32_t q_phase,
                               TileInfo const& info, int warp_group, int thread_idx,
-                              TensorO& tOrO, OnlineSoftmax<2>& softmax, ReleaseQ&& release_q) {
+                              TensorO& tOrO, typename Traits::Softmax& softmax, ReleaseQ&& release_q) {
     Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKV{});
     Tensor sVt = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutVt{});
@@ -271,9 +277,14 @@ struct ForwardMainloop {
     const RowVisibility visibility = RowVisibility::of</*kRowsAreKeys=*/false>(problem, info.lens);
     const SegmentAxes</*kRowsAreKeys=*/false> segments{problem, info.coord.batch};
 
-    // The cap comes before masking: masked logits must end at -inf.
+    // The cap and the bias come before masking: masked logits must end at -inf.
     auto cap_and_mask = [&](int n_block, MaskBlock cls) {
       if constexpr (Traits::kSoftcap) params.softcap.apply(s);
+      if constexpr (Traits::kBias) {
+        mask.add_bias(s, info.bias, problem.bias.row_stride, problem.bias.col_stride,
+                      problem.bias.paired, params.inv_scale, info.m_start(), problem.seqlen_q,
+                      n_block * Traits::kBlockN, problem.seqlen_k);
+      }
       mask.apply_block(s, visibility,
                        Range::needs_mask</*kMaskQueryTail=*/false>(problem, info.lens,
                                                                    info.coord.block, n_block),
@@ -288,6 +299,14 @@ struct ForwardMainloop {
     };
     auto issue_qk = [&](PipelineState const& state) {
       warpgroup_gemm</*kZeroInit=*/true, /*kWaitGroups=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), tSrS);
+    };
+    // The bias of a block is fetched into L1 while its S is computed.
+    auto prefetch_bias = [&](int n_block) {
+      if constexpr (Traits::kBias) {
+        mask.prefetch_bias(info.bias, problem.bias.row_stride, problem.bias.col_stride,
+                           info.m_start(), problem.seqlen_q, n_block * Traits::kBlockN,
+                           problem.seqlen_k);
+      }
     };
     auto issue_pv = [&](PipelineState const& state) {
       warpgroup_gemm</*kZeroInit=*/false, /*kWaitGroups=*/-1>(mma_pv, tOrP, tOrV(_, _, _, state.index()), tOrO);
@@ -305,6 +324,7 @@ struct ForwardMainloop {
     wait_turn(warp_group);
     issue_qk(read_state);
     pass_turn(warp_group);
+    prefetch_bias(n_block);
     warpgroup_wait<0>();
     pipeline_k.consumer_release(read_state);
     if (n_block == info.keys.begin) release_q();
@@ -324,6 +344,7 @@ struct ForwardMainloop {
       pipeline_v.consumer_wait(v_state);
       issue_pv(v_state);
       pass_turn(warp_group);
+      prefetch_bias(n_block);
       warpgroup_wait<1>();  // S_j complete; P V may still run
       pipeline_k.consumer_release(read_state);
       if (n_block == info.keys.begin) release_q();

@@ -1,8 +1,8 @@
 /*! \file mask.h
-    \brief Per-element masking of one logits block held in WGMMA accumulators, in either operand
+    \brief Per-element work on one logits block held in WGMMA accumulators, in either operand
            orientation: rows are queries (forward, S = Q K^T) or keys (backward, S^T = K Q^T):
-           by lengths and windows, by segment ids and by a mask array. Invisible pairs become
-           -inf, so their probabilities are exactly 0.
+           masking by lengths and windows, by segment ids and by a mask array (invisible pairs
+           become -inf, so their probabilities are exactly 0), and the addition of a bias array.
 */
 #pragma once
 
@@ -151,6 +151,89 @@ struct BlockMask {
       for (int c = 0; c < size<1>(s); ++c) {
         const int step = get<1>(coords(0, c)) - thread_col;
         if (((kept[step >> 5] >> (step & 31)) & 1u) == 0) s(r, c) = -INFINITY;
+      }
+    }
+  }
+
+  //! Adds a bias array to the block, divided by the softmax scale (the mainloops scale the
+  //! logits afterwards; a bias past the float range becomes +-inf, which acts as a mask).
+  //! `bias` is element (row 0, column 0) of the (batch item, head), row_step and col_step its
+  //! strides along the block's rows and columns (queries and keys forward, swapped backward).
+  //! Rows at or past row_limit and columns at or past col_limit are not read: they lie past
+  //! the sequences, and lengths mask them. With `paired` (BiasArray), two adjacent columns
+  //! are read as one 32-bit word.
+  template <class TensorS, class Element>
+  CUTE_DEVICE void add_bias(TensorS& s, const Element* bias, int64_t row_step, int64_t col_step,
+                            bool paired, float inv_scale, int row_start, int row_limit,
+                            int col_start, int col_limit) const {
+    auto tScS = TiledMma{}.get_thread_slice(thread_idx).partition_C(
+        make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
+    auto coords = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
+    const int thread_col = get<1>(coords(0, 0));
+    const int first = col_start + thread_col;
+    const bool whole = col_start + kCols <= col_limit;
+    const bool pairs = paired && whole;
+    auto element = [](uint16_t raw) { return float(Element::bitcast(raw)); };
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(s); ++r) {
+      const int row = row_start + get<0>(coords(r, 0));
+      if (row >= row_limit) continue;
+      const uint16_t* row_bias = reinterpret_cast<const uint16_t*>(bias) + row * row_step +
+                                 first * col_step;
+      if (pairs) {
+        // Columns come in adjacent pairs (steps 2i, 2i + 1 of the accumulator layout).
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s); c += 2) {
+          const int step = get<1>(coords(0, c)) - thread_col;
+          const uint32_t word = __ldg(reinterpret_cast<const uint32_t*>(row_bias + step));
+          s(r, c) = fmaf(element(uint16_t(word & 0xffffu)), inv_scale, s(r, c));
+          s(r, c + 1) = fmaf(element(uint16_t(word >> 16)), inv_scale, s(r, c + 1));
+        }
+      } else {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s); ++c) {
+          const int step = get<1>(coords(0, c)) - thread_col;
+          if (whole || first + step < col_limit) {
+            s(r, c) = fmaf(element(__ldg(row_bias + step * col_step)), inv_scale, s(r, c));
+          }
+        }
+      }
+    }
+  }
+
+  //! Asks L1 for the bias lines of the block that add_bias (same arguments) will read, so that
+  //! their loads, issued once the block's logits are complete, do not wait on L2.
+  template <class Element>
+  CUTE_DEVICE void prefetch_bias(const Element* bias, int64_t row_step, int64_t col_step,
+                                 int row_start, int row_limit, int col_start,
+                                 int col_limit) const {
+    auto tScS = TiledMma{}.get_thread_slice(thread_idx).partition_C(
+        make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
+    auto coords = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
+    constexpr int kLineElements = 128 / int(sizeof(Element));
+    const int thread_col = get<1>(coords(0, 0));
+    const int first = col_start + thread_col;
+    auto prefetch = [](const Element* address) {
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(address));
+    };
+    CUTE_UNROLL
+    for (int r = 0; r < decltype(size<0>(coords))::value; ++r) {
+      const int row = row_start + get<0>(coords(r, 0));
+      if (row >= row_limit) continue;
+      const Element* row_bias = bias + row * row_step + first * col_step;
+      if (col_step <= 1) {
+        // The row's columns are contiguous (or one element): a line per 128 bytes.
+        CUTE_UNROLL
+        for (int line = 0; line * kLineElements < kCols; ++line) {
+          if (col_step == 1 || line == 0) prefetch(row_bias + line * kLineElements);
+        }
+      } else if (r == 0) {
+        // Each column is its own line; the thread's other rows are a few elements away.
+        CUTE_UNROLL
+        for (int c = 0; c < decltype(size<1>(coords))::value; ++c) {
+          const int step = get<1>(coords(0, c)) - thread_col;
+          if (first + step < col_limit) prefetch(row_bias + step * col_step);
+        }
       }
     }
   }

@@ -106,9 +106,29 @@ struct MaskView {
   }
 };
 
+//! An additive bias array of the inputs' dtype as the kernels read it: element (query i, key j)
+//! of a (batch item, query head) at item * item_stride + head * head_stride + i * row_stride +
+//! j * col_stride, each stride 0 where the bias broadcasts that axis. `paired`: col_stride is 1
+//! and every other stride even, so two adjacent keys' elements are one aligned 32-bit word.
+struct BiasArray {
+  const void* data = nullptr;
+  DeviceBatchMap batch;
+  int64_t item_stride = 0, head_stride = 0, row_stride = 0, col_stride = 0;
+  bool paired = false;
+
+  CUTE_HOST_DEVICE bool present() const { return data != nullptr; }
+  //! Element (0, 0) of (batch item b, query head `head`).
+  template <class Element>
+  CUTE_HOST_DEVICE const Element* of(DeviceBatch const& problem_batch, int32_t b,
+                                     int32_t head) const {
+    return static_cast<const Element*>(data) + int64_t(batch(problem_batch, b)) * item_stride +
+           head * head_stride;
+  }
+};
+
 //! The runtime scalars of an attention problem that every pass needs: sizes, the visibility
-//! rule (window; causal is window_right == 0), the optional per-item lengths, segment ids and
-//! mask array.
+//! rule (window; causal is window_right == 0), the optional per-item lengths, segment ids,
+//! mask and bias arrays.
 struct AttentionProblem {
   int32_t seqlen_q = 0;
   int32_t seqlen_k = 0;
@@ -122,6 +142,7 @@ struct AttentionProblem {
   const int32_t* kv_seqlens = nullptr;
   SegmentIds segments;
   MaskArray mask;
+  BiasArray bias;
 };
 
 //! Query and key lengths of one batch item: query rows at or past q_len are padding, keys at or

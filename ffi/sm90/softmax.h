@@ -17,7 +17,12 @@ namespace jax_flash::sm90 {
 
 using namespace cute;
 
-template <int kRows>
+//! kRoundedProducts: each s * scale_log2 is rounded before the maximum's is subtracted, instead
+//! of one FFMA. With logits near the float range (biases of 1e30 used as masks), the FFMA
+//! leaves the rounding residue of max * scale_log2, up to an ulp of it, in every exponent: exp2
+//! of that overflows. Rounded, the row's maximum gives exactly exp2(0) and every exponent is
+//! consistent across blocks.
+template <int kRows, bool kRoundedProducts = false>
 struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];
@@ -44,17 +49,20 @@ struct OnlineSoftmax {
       for (int c = 1; c < size<1>(s); ++c) block_max = fmaxf(block_max, s(r, c));
       block_max = quad_allreduce(block_max, MaxOp{});
       const float new_max = fmaxf(row_max[r], block_max);
-      const float base = (new_max == -INFINITY ? 0.f : new_max) * scale_log2;
+      const float base = __fmul_rn(new_max == -INFINITY ? 0.f : new_max, scale_log2);
       if constexpr (kFirst) {
         rescale[r] = 1.f;
       } else {
-        rescale[r] = fast_exp2(row_max[r] * scale_log2 - base);  // exp2(-inf) = 0 for empty history
+        // exp2(-inf) = 0 for empty history.
+        rescale[r] = fast_exp2(kRoundedProducts ? __fmul_rn(row_max[r], scale_log2) - base
+                                                : row_max[r] * scale_log2 - base);
       }
       row_max[r] = new_max;
       float sum = 0.f;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
-        s(r, c) = fast_exp2(fmaf(s(r, c), scale_log2, -base));
+        s(r, c) = fast_exp2(kRoundedProducts ? __fmul_rn(s(r, c), scale_log2) - base
+                                             : fmaf(s(r, c), scale_log2, -base));
         sum += s(r, c);
       }
       row_sum[r] = kFirst ? sum : fmaf(row_sum[r], rescale[r], sum);

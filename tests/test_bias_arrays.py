@@ -1,0 +1,212 @@
+"""Bias arrays on the Hopper kernels: the routing of bias calls (a bias of the inputs' dtype
+runs on the kernels, forward and backward; a bias whose gradient is wanted, or of another
+dtype, takes the blockwise backward), the custom VJP's knowledge of whether the bias is
+differentiated, and forward and gradients against the float64 definition (tests/_reference.py)
+under the criterion of tests/_tolerances.py, for every broadcast of the bias.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash import _config, _primitive
+from jax_flash._validation import canonicalize
+
+from _harness import Case, check_forward, check_gradients, make_inputs
+from _platforms import GPU, with_platform
+
+
+def _config_of(**options):
+  return canonicalize(*(np.zeros((1, 4, 2, 8), np.float32),) * 3, None, None, scale=None,
+                      is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
+                      local_window_size=None, **options).config
+
+
+def test_gpu_routing_of_bias_arrays():
+  """A bias of the inputs' dtype runs on both Hopper kernels (they list "bias") unless its
+  gradient is wanted (no kernel lists "bias_gradient"); a bias of another dtype, or with
+  another feature (bias is taken alone), runs blockwise."""
+  q = jnp.zeros((1, 4, 2, 8), jnp.bfloat16)
+  route = functools.partial(_primitive._on_gpu_kernel, kernel_call="kernel",
+                            blockwise_call="blockwise", q=q, mask=None, q_seg=None)
+  plain, capped = _config_of(), _config_of(logits_soft_cap=5.0)
+  bias = jnp.zeros((1, 1, 4, 4), jnp.bfloat16)
+  for kernel in (_config.SM90_FORWARD, _config.SM90_BACKWARD):
+    assert {"bias"} <= kernel.features and "bias" in kernel.alone
+    assert "bias_gradient" not in kernel.features
+    assert route(kernel, config=plain, bias=bias) == "kernel"
+    assert route(kernel, config=plain, bias=bias.astype(jnp.float32)) == "blockwise"
+    assert route(kernel, config=capped, bias=bias) == "blockwise"
+    assert route(kernel, config=plain, bias=bias, mask=bias > 0) == "blockwise"
+  assert route(_config.SM90_BACKWARD, config=plain, bias=bias, bias_gradient=True) == "blockwise"
+
+
+def _backward_attributes(text: str) -> list[str]:
+  return [line for line in text.splitlines() if "jax_flash_bwd" in line and "custom_call" in line]
+
+
+@pytest.mark.parametrize("wrt_bias", [False, True])
+def test_backward_computes_dbias_only_when_differentiated(wrt_bias):
+  """The custom VJP knows (symbolic zeros) whether the bias is differentiated: the backward
+  call returns dbias only then, and the other gradients do not depend on it."""
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.standard_normal((2, 24, 2, 16)), jnp.float32) for _ in range(3))
+  bias = jnp.asarray(rng.standard_normal((1, 2, 24, 24)), jnp.float32)
+
+  def loss(q, k, v, bias):
+    out = jax_flash.dot_product_attention(q, k, v, bias, is_causal=True)
+    return jnp.sum(out * jnp.cos(jnp.arange(24.0))[:, None, None])
+
+  argnums = (0, 1, 2, 3) if wrt_bias else (0, 1, 2)
+  grad = jax.jit(jax.grad(loss, argnums=argnums))
+  with jax.default_device(jax.devices("cpu")[0]):
+    calls = _backward_attributes(grad.lower(q, k, v, bias).as_text())
+    assert calls and all(("has_dbias = " + str(wrt_bias).lower()) in c for c in calls), calls
+    grads = grad(q, k, v, bias)
+    full = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
+  for ours, reference in zip(grads, full):
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(reference))
+
+
+# --- the GPU -----------------------------------------------------------------------------------
+
+# Every broadcast of a bias: over batch, heads, queries (rows) or keys (a per-query constant,
+# which moves the log-sum-exp only).
+GPU_BIAS_SPECS = ("11TS", "B1TS", "1NTS", "BNTS", "B11S", "BNT1")
+
+
+@with_platform("platform,H,spec",
+               [pytest.param("gpu", H, spec, marks=pytest.mark.gpu, id=f"gpu-{H}-{spec}")
+                for H in _config.GPU_HEAD_DIMS for spec in GPU_BIAS_SPECS])
+def test_gpu_bias_arrays(platform, H, spec):
+  """Forward and the gradients of q, k, v (also through the log-sum-exp) with a constant bias,
+  on the Hopper kernels, every GPU dtype; grouped key/value heads, sizes that do not divide the
+  tiles, causal."""
+  for dtype in _config.GPU_DTYPES:
+    case = Case(B=2, T=333, S=461, N=4, K=2, H=H, dtype=dtype.name, bias=spec, is_causal=True)
+    check_forward(case, platform)
+    check_gradients(case, platform, through_lse=True, bias_gradient=False)
+
+
+@pytest.mark.parametrize("platform", [GPU], indirect=True)
+@pytest.mark.parametrize("S", [512, 333], ids=["even-keys", "odd-keys"])
+def test_gpu_bias_with_window_lengths_and_extremes(platform, S):
+  """A bias with entries of +-1e30 and -inf (key 0 finite), a window and ragged lengths,
+  T != S; an odd S makes the bias rows unaligned (read element by element)."""
+  case = Case(B=2, T=300, S=S, N=4, K=1, H=128, dtype=_config.GPU_DTYPES[0].name, bias="BNTS",
+              extreme_bias=True, window=(250, 40), q_lens=(300, 131), kv_lens=(S - 20, S))
+  check_forward(case, platform)
+  check_gradients(case, platform, bias_gradient=False)
+
+
+@pytest.mark.parametrize("platform", [GPU], indirect=True)
+def test_gpu_differentiated_bias_runs_kernel_forward_and_blockwise_backward(platform):
+  """With dbias wanted the forward stays on the kernel and the backward goes blockwise; the
+  gradients (dbias summed over the broadcast batch) match the definition."""
+  case = Case(B=2, T=200, S=300, N=4, K=2, H=64, dtype=_config.GPU_DTYPES[0].name, bias="1NTS",
+              is_causal=True)
+  check_gradients(case, platform)
+  inp = make_inputs(case)
+  q, k, v, bias = (jnp.asarray(x) for x in (inp.q, inp.k, inp.v, inp.bias))
+
+  def hlo(argnums):
+    def loss(q, k, v, bias):
+      out = jax_flash.dot_product_attention(q, k, v, bias, is_causal=True)
+      return jnp.sum(out.astype(jnp.float32))
+    return jax.jit(jax.grad(loss, argnums=argnums)).lower(q, k, v, bias).compile().as_text()
+
+  constant = hlo((0, 1, 2))
+  assert "jax_flash_fwd" in constant and "jax_flash_bwd" in constant
+  differentiated = hlo((0, 1, 2, 3))
+  assert "jax_flash_fwd" in differentiated and "jax_flash_bwd" not in differentiated
+
+
+@pytest.mark.parametrize("platform", [GPU], indirect=True)
+def test_gpu_causal_bias_equals_is_causal(platform):
+  """A causal bias of the dtype's lowest value above the diagonal (what masks become as biases)
+  gives is_causal's result within rounding."""
+  rng = np.random.default_rng(3)
+  dtype = _config.GPU_DTYPES[0]
+  q, k, v = (jnp.asarray(rng.standard_normal((2, 1000, 4, 128)), dtype) for _ in range(3))
+  tril = jnp.tril(jnp.ones((1000, 1000), bool))[None, None]
+  bias = jnp.where(tril, 0, jnp.finfo(dtype).min).astype(dtype)
+
+  def loss(q, k, v, **options):
+    out = jax_flash.dot_product_attention(q, k, v, **options)
+    return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(1000))[:, None, None]), out
+
+  run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True),
+                static_argnames="is_causal")
+  (_, out_bias), grads_bias = run(q, k, v, bias=bias)
+  (_, out_causal), grads_causal = run(q, k, v, is_causal=True)
+  for a, b in zip((out_bias, *grads_bias), (out_causal, *grads_causal)):
+    a, b = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
+    np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * np.abs(b).max())
+
+
+@pytest.mark.parametrize("platform", [GPU], indirect=True)
+def test_gpu_vmap_over_biases_only(platform):
+  """vmap over the bias alone (q, k, v unmapped: the kernels broadcast them) equals the calls
+  one by one, up to the order of the dQ additions."""
+  rng = np.random.default_rng(4)
+  dtype = _config.GPU_DTYPES[0]
+  q, k, v = (jnp.asarray(rng.standard_normal((1, 384, 2, 128)), dtype) for _ in range(3))
+  biases = jnp.asarray(rng.standard_normal((3, 1, 2, 384, 384)) * 2, dtype)
+
+  def loss(q, k, v, bias):
+    out = jax_flash.dot_product_attention(q, k, v, bias)
+    return jnp.sum(out.astype(jnp.float32) * jnp.sin(jnp.arange(384))[:, None, None])
+
+  grad = jax.grad(loss, argnums=(0, 1, 2))
+  batched = jax.jit(jax.vmap(grad, in_axes=(None, None, None, 0)))(q, k, v, biases)
+  for i in range(biases.shape[0]):
+    one = jax.jit(grad)(q, k, v, biases[i])
+    for a, b in zip(batched, one):
+      a, b = np.asarray(a[i].astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
+      np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2 * np.abs(b).max())
+
+
+@pytest.mark.parametrize("platform", [GPU], indirect=True)
+def test_gpu_bias_handler_checks(platform):
+  """The CUDA handlers refuse a bias of another dtype and a dbias they do not compute."""
+  from jax_flash import _extension
+  _extension.ensure_registered()
+  dtype = _config.GPU_DTYPES[0]
+  q = jnp.zeros((1, 128, 2, 64), dtype)
+  attrs = dict(scale=np.float64(0.125), softcap=np.float64(0.0), window_left=np.int64(-1),
+               window_right=np.int64(-1), has_bias=True, has_mask=False, has_mask_blocks=False,
+               has_q_seqlens=False, has_kv_seqlens=False, has_segment_ids=False,
+               deterministic=False, has_dbias=False)
+  forward = jax.ffi.ffi_call(_extension.FORWARD_TARGET,
+                             (jax.ShapeDtypeStruct(q.shape, dtype),
+                              jax.ShapeDtypeStruct((1, 2, 128), jnp.float32)))
+  jax.block_until_ready(forward(q, q, q, jnp.zeros((1, 1, 128, 128), dtype), **attrs))
+  with pytest.raises(jax.errors.JaxRuntimeError, match="bias of the inputs' dtype"):
+    jax.block_until_ready(forward(q, q, q, jnp.zeros((1, 1, 128, 128), jnp.float32), **attrs))
+  lse = jnp.zeros((1, 2, 128), jnp.float32)
+  bias = jnp.zeros((1, 1, 128, 128), dtype)
+  workspace = _extension.backward_workspace_bytes(1, 128, 2, 64, dtype, False)
+  backward = jax.ffi.ffi_call(
+      _extension.BACKWARD_TARGET,
+      tuple(jax.ShapeDtypeStruct(q.shape, dtype) for _ in range(3)) +
+      (jax.ShapeDtypeStruct(bias.shape, dtype), jax.ShapeDtypeStruct((workspace,), np.uint8)))
+  with pytest.raises(jax.errors.JaxRuntimeError, match="no bias gradient"):
+    jax.block_until_ready(backward(q, q, q, q, lse, q, lse, bias,
+                                   **dict(attrs, has_dbias=True)))
+
+
+def test_bias_cases_are_not_trivial():
+  """The GPU cases' biases vary along every axis they hold (a constant bias would not test
+  the kernels' indexing)."""
+  for spec in GPU_BIAS_SPECS:
+    case = Case(B=2, T=33, S=47, N=4, K=2, H=64, bias=spec)
+    bias = make_inputs(case).bias
+    for axis, letter in enumerate(spec):
+      if letter != "1":
+        assert np.ptp(bias.astype(np.float64), axis=axis).max() > 0, (spec, letter)
