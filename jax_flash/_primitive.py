@@ -69,8 +69,8 @@ from ._validation import AttentionConfig, gpu_kernels_run
 
 
 
-def _attributes(config: AttentionConfig, bias, mask, mask_tiles, q_len, kv_len, q_seg,
-                bias_gradient=False) -> dict:
+def _attributes(config: AttentionConfig, bias, bias_tiles, mask, mask_tiles, q_len, kv_len,
+                q_seg, bias_gradient=False) -> dict:
   # XLA FFI attributes are typed exactly: float64 scale and softcap, int64 windows, bool flags.
   return dict(
       scale=np.float64(config.scale),
@@ -78,6 +78,7 @@ def _attributes(config: AttentionConfig, bias, mask, mask_tiles, q_len, kv_len, 
       window_left=np.int64(config.window_left),
       window_right=np.int64(config.window_right),
       has_bias=bias is not None,
+      has_bias_blocks=bool(bias_tiles),
       has_mask=mask is not None,
       has_mask_blocks=bool(mask_tiles),
       has_q_seqlens=q_len is not None,
@@ -229,21 +230,52 @@ def _mask_tiles(mask, tile, T, S, rows_are_keys):
   return [_mask_blocks(mask, tile) if blocks is None else blocks, bits]
 
 
+# A bias drops a block of logits where every entry is at most _BIAS_DROPS_AT and every row of
+# the block holds an entry above _BIAS_ROW_HOLDS somewhere. With logits q.k scale below 2^96 in
+# magnitude, each dropped logit then lies more than 2^98 below its row's maximum: its
+# probability is exactly 0 in float32 (and in float64), so skipping the block changes nothing.
+# A row whose every entry is that low keeps its blocks (jax's definition averages such rows).
+_BIAS_DROPS_AT = -2.0 ** 100
+_BIAS_ROW_HOLDS = -2.0 ** 99
+
+
+def _bias_tiles(bias, tile):
+  """The Hopper pass's bias operand [bias_blocks] for its tile: the class of each block,
+  (batch..., N|1, MB|1, SB|1) int8, 0 where the bias drops the block (see _BIAS_DROPS_AT), else
+  1; none without a bias. A causal bias of the dtype's lowest value (bfloat16, float32) drops
+  the blocks above the diagonal. On the device, as _mask_tiles."""
+  if bias is None:
+    return []
+  bias = lax.optimization_barrier(bias)
+  *lead, T, S = bias.shape
+  bm, bn, MB, SB = _block_extents(bias, tile)
+  padded = jnp.pad(bias.astype(jnp.float32),
+                   [(0, 0)] * len(lead) + [(0, MB * bm - T), (0, SB * bn - S)],
+                   constant_values=-jnp.inf)
+  block_max = padded.reshape(*lead, MB * bm, SB, bn).max(-1)  # per row and key block
+  # Rows past the end hold nothing and keep nothing.
+  row_holds = (block_max.max(-1) > _BIAS_ROW_HOLDS) | (lax.iota(jnp.int32, MB * bm) >= T)
+  kept = (block_max > _BIAS_DROPS_AT) | ~row_holds[..., None]
+  return [kept.reshape(*lead, MB, bm, SB).any(-2).astype(jnp.int8)]
+
+
 def _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, *, mask_tile=None):
-  """The forward FFI call. With mask_tile (the CUDA handler's tile for the problem) a mask
-  travels with its operands for the Hopper kernels (`_mask_tiles`)."""
+  """The forward FFI call. With mask_tile (the CUDA handler's tile for the problem) a mask or
+  bias travels with its operands for the Hopper kernels (`_mask_tiles`, `_bias_tiles`)."""
   _extension.ensure_registered()
   batch = _batch_shape(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
   T, N, _ = q.shape[-3:]
   result_types = (jax.ShapeDtypeStruct(batch + q.shape[-3:], q.dtype),
                   jax.ShapeDtypeStruct(batch + (N, T), _config.accumulation_dtype(q.dtype)))
   call = jax.ffi.ffi_call(_extension.FORWARD_TARGET, result_types, vmap_method="expand_dims")
-  tiles = []
+  tiles, bias_tiles = [], []
   if mask_tile is not None:
     tiles = _mask_tiles(mask, mask_tile, T, k.shape[-3], rows_are_keys=False)
-  operands = (q, k, v, *_present(bias, mask), *tiles, *_present(q_len, kv_len),
-              *_segments(q_seg, kv_seg))
-  results = call(*operands, **_attributes(config, bias, mask, tiles, q_len, kv_len, q_seg))
+    bias_tiles = _bias_tiles(bias, mask_tile)
+  operands = (q, k, v, *_present(bias), *bias_tiles, *_present(mask), *tiles,
+              *_present(q_len, kv_len), *_segments(q_seg, kv_seg))
+  results = call(*operands, **_attributes(config, bias, bias_tiles, mask, tiles, q_len, kv_len,
+                                          q_seg))
   return tuple(_varying.varying_like(results, *operands))
 
 
@@ -252,8 +284,8 @@ def _backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_
   """The backward FFI call; the bias gradient is computed where `bias_gradient` (else None).
   With gpu_workspace (the CUDA handler) one more result: the Hopper backward's workspace,
   which XLA allocates with the call's other buffers and which is dropped here (a temporary of
-  the compiled program); a mask then travels with its operands for the Hopper kernels
-  (`_mask_tiles`)."""
+  the compiled program); a mask or bias then travels with its operands for the Hopper kernels
+  (`_mask_tiles`, `_bias_tiles`)."""
   _extension.ensure_registered()
   batch = _batch_shape(q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg, kv_seg)
   rank = len(batch)
@@ -271,14 +303,15 @@ def _backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_
     result_types.append(jax.ShapeDtypeStruct((nbytes,), np.uint8))
   call = jax.ffi.ffi_call(_extension.BACKWARD_TARGET, tuple(result_types),
                           vmap_method="expand_dims")
-  tiles = []
+  tiles, bias_tiles = [], []
   if gpu_workspace:
-    tiles = _mask_tiles(mask, _config.SM90_BACKWARD.tile_for(q.shape[-1]), q.shape[-3],
-                        k.shape[-3], rows_are_keys=True)
-  operands = (q, k, v, out, lse, dout, dlse, *_present(bias, mask), *tiles,
-              *_present(q_len, kv_len), *_segments(q_seg, kv_seg))
+    tile = _config.SM90_BACKWARD.tile_for(q.shape[-1])
+    tiles = _mask_tiles(mask, tile, q.shape[-3], k.shape[-3], rows_are_keys=True)
+    bias_tiles = _bias_tiles(bias, tile)
+  operands = (q, k, v, out, lse, dout, dlse, *_present(bias), *bias_tiles, *_present(mask),
+              *tiles, *_present(q_len, kv_len), *_segments(q_seg, kv_seg))
   grads = _varying.varying_like(
-      call(*operands, **_attributes(config, bias, mask, tiles, q_len, kv_len, q_seg,
+      call(*operands, **_attributes(config, bias, bias_tiles, mask, tiles, q_len, kv_len, q_seg,
                                     bias_gradient)),
       *operands)
   dq, dk, dv = grads[:3]
@@ -406,7 +439,8 @@ def _forward_impl(spec: _sharding.CallSpec, q, k, v, bias, mask, q_len, kv_len, 
 # kernels recover P = exp2(S log2(e) - lse log2(e)) from the float32 lse, which shifts every P of
 # a row by up to half an ulp of lse (relative 1e-4 here, within the 16-bit dtypes' rounding);
 # without a bias logits stay far below this, but a bias can carry them anywhere (1e30 used as a
-# mask), and only the blockwise backward renormalises such rows.
+# mask), and only the blockwise backward renormalises such rows. math.inf: never (the kernels
+# alone, as tests/_sanitizer_driver.py runs them).
 _KERNEL_BIAS_LSE_LIMIT = 2.0 ** 12
 
 
@@ -417,7 +451,7 @@ def _gpu_backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len,
   operands = (q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg, kv_seg)
   kernel = functools.partial(_backward_call, config, bias_gradient=bias_gradient,
                              gpu_workspace=True)
-  if bias is None:
+  if bias is None or math.isinf(_KERNEL_BIAS_LSE_LIMIT):
     return kernel(*operands)
   blockwise = functools.partial(_blockwise_backward, config, bias_gradient=bias_gradient)
   return lax.cond(_blockwise.needs_renormalization(lse, _KERNEL_BIAS_LSE_LIMIT),

@@ -610,3 +610,40 @@ def check_ordered_dq_reduction(q, k, v, **options):
   for a, b, c in zip(first, second, unordered):
     np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(a, c, rtol=2e-2, atol=2e-2 * np.abs(c).max())
+
+
+def check_equals_is_causal(q, k, v, **options):
+  """jax_flash with `options` (a causal mask or bias array) gives is_causal's output and
+  gradients within rounding (the two may run on different tiles, in different orders)."""
+  T = q.shape[1]
+
+  def loss(q, k, v, **options):
+    out = jax_flash.dot_product_attention(q, k, v, **options)
+    return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(T))[:, None, None]), out
+
+  run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True),
+                static_argnames="is_causal")
+  (_, out_array), grads_array = run(q, k, v, **options)
+  (_, out_causal), grads_causal = run(q, k, v, is_causal=True)
+  for a, b in zip((out_array, *grads_array), (out_causal, *grads_causal)):
+    a, b = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
+    np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * np.abs(b).max())
+
+
+def check_vmap_over_logit_arrays(q, k, v, name: str, arrays):
+  """vmap over a stack of logit arrays alone (keyword `name`: "mask" or "bias"; q, k, v
+  unmapped, which the kernels broadcast) gives the calls one by one, up to the order of the dQ
+  additions."""
+  T = q.shape[1]
+
+  def loss(q, k, v, array):
+    out = jax_flash.dot_product_attention(q, k, v, **{name: array})
+    return jnp.sum(out.astype(jnp.float32) * jnp.sin(jnp.arange(T))[:, None, None])
+
+  grad = jax.grad(loss, argnums=(0, 1, 2))
+  batched = jax.jit(jax.vmap(grad, in_axes=(None, None, None, 0)))(q, k, v, arrays)
+  for i in range(arrays.shape[0]):
+    one = jax.jit(grad)(q, k, v, arrays[i])
+    for a, b in zip(batched, one):
+      a, b = np.asarray(a[i].astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
+      np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2 * np.abs(b).max())

@@ -13,12 +13,15 @@ own instantiations, with and without soft-capping) and mask arrays (their own in
 on each head dim's default tile: empty, full and partial blocks, per head with grouped heads,
 and under the ordered dQ reduction, which visits the empty ones) and bias arrays (their own
 instantiations on the default tiles: per head and batch item with grouped heads and odd key
-counts, read element by element; broadcast over queries, read in pairs; under the ordered dQ
-reduction). A head dim with several forward tiles
-runs its causal, segment-id and few-row cases (decoding among them) on the tile that prefers
-them (kernel_configs.json) and the others on its default. Each case also runs
-the gradients (the backward's three kernels). Every output and gradient is checked to be
-finite, so a kernel that reads garbage fails here too.
+counts, read element by element; broadcast over queries, read in pairs; patches of the lowest
+value and -inf, whose blocks are skipped, under the ordered dQ reduction, which visits them).
+A head dim with several forward tiles runs its causal, segment-id and few-row cases (decoding
+among them) on the tile that prefers them (kernel_configs.json) and the others on its default.
+Each case also runs the gradients (the backward's three kernels). Every output and gradient is checked to be
+finite, so a kernel that reads garbage fails here too. The backward with a bias runs on the
+kernels alone, without its hand-over to the blockwise backward for huge log-sum-exps
+(_primitive._KERNEL_BIAS_LSE_LIMIT): compute-sanitizer crashes on start-up in processes whose
+programs hold that blockwise backward (XLA's loops and conditionals, not jax_flash kernels).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash
-from jax_flash import _config
+from jax_flash import _config, _primitive
 
 
 def cases():
@@ -77,7 +80,9 @@ def cases():
       yield dict(H=H, dtype=dtypes[i % len(dtypes)], is_causal=True, window=None,
                  lengths="ragged", bias="BNTS")
       yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=False, window=(40, 9),
-                 lengths=None, bias="B11S", S=256, deterministic=True)
+                 lengths=None, bias="B11S", S=256)
+      yield dict(H=H, dtype=dtypes[0], is_causal=False, window=None, lengths="ragged",
+                 bias="lowest", deterministic=True)
 
 
 def run(H, dtype, is_causal, window, lengths, B=3, T=167, S=201, N=4, K=2, deterministic=False,
@@ -108,8 +113,16 @@ def run(H, dtype, is_causal, window, lengths, B=3, T=167, S=201, N=4, K=2, deter
     keep[..., ::7, :] = False
     kwargs.update(mask=jnp.asarray(keep))
   if bias is not None:  # a constant of the gradients: the kernels read it, dbias is not wanted
-    shape = tuple({"B": B, "N": N, "T": T, "S": S, "1": 1}[c] for c in bias)
-    kwargs.update(bias=jnp.asarray(rng.standard_normal(shape, np.float32) * 3, dtype))
+    spec = "BNTS" if bias == "lowest" else bias
+    shape = tuple({"B": B, "N": N, "T": T, "S": S, "1": 1}[c] for c in spec)
+    values = rng.standard_normal(shape, np.float32) * 3
+    if bias == "lowest":  # 16 x 16 patches of the lowest value or -inf; the first column kept
+      kind = np.repeat(np.repeat(rng.integers(0, 3, (B, N, -(-T // 16), -(-S // 16))), 16, -2),
+                       16, -1)[..., :T, :S]
+      kind[..., :16] = 2
+      values = np.where(kind == 0, float(jnp.finfo(dtype).min),
+                        np.where(kind == 1, -np.inf, values))
+    kwargs.update(bias=jnp.asarray(values, dtype))
   dout = jnp.asarray(rng.standard_normal((B, T, N, H), np.float32), dtype)
 
   def loss(q, k, v):
@@ -133,6 +146,7 @@ def run(H, dtype, is_causal, window, lengths, B=3, T=167, S=201, N=4, K=2, deter
 
 
 def main(argv: list[str]) -> int:
+  _primitive._KERNEL_BIAS_LSE_LIMIT = float("inf")
   if not jax_flash.gpu_available():
     print("no GPU or no CUDA handlers", file=sys.stderr)
     return 2

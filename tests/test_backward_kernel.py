@@ -146,7 +146,7 @@ def _direct_backward(q, workspace_bytes, **overrides):
   results = tuple(jax.ShapeDtypeStruct(q.shape, q.dtype) for _ in range(3))
   results += (jax.ShapeDtypeStruct((workspace_bytes,), np.uint8),)
   attrs = dict(scale=np.float64(0.125), softcap=np.float64(0.0), window_left=np.int64(-1),
-               window_right=np.int64(-1), has_bias=False, has_mask=False,
+               window_right=np.int64(-1), has_bias=False, has_bias_blocks=False, has_mask=False,
                has_mask_blocks=False, has_q_seqlens=False, has_kv_seqlens=False,
                has_segment_ids=False, deterministic=False, has_dbias=False)
   attrs.update(overrides)

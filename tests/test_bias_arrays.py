@@ -18,7 +18,8 @@ import jax_flash
 from jax_flash import _config, _primitive
 from jax_flash._validation import canonicalize
 
-from _harness import Case, check_forward, check_gradients, make_inputs
+from _harness import (Case, check_equals_is_causal, check_forward, check_gradients,
+                      check_vmap_over_logit_arrays, make_inputs)
 from _platforms import GPU, with_platform
 
 
@@ -74,6 +75,53 @@ def test_backward_computes_dbias_only_when_differentiated(wrt_bias):
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(reference))
 
 
+# --- blocks a bias drops ------------------------------------------------------------------------
+
+
+def _brute_bias_classes(bias, block_m, block_n):
+  """_bias_tiles' classes block by block: 0 where every entry is at most _BIAS_DROPS_AT and
+  every row of the block holds an entry above _BIAS_ROW_HOLDS, else 1."""
+  *lead, T, S = bias.shape
+  bm, bn = (block_m if T > 1 else 1), (block_n if S > 1 else 1)
+  b = bias.astype(np.float64)
+  holds = b.max(-1) > _primitive._BIAS_ROW_HOLDS  # (..., T)
+  out = np.ones((*lead, -(-T // bm), -(-S // bn)), np.int8)
+  for i in range(out.shape[-2]):
+    for j in range(out.shape[-1]):
+      block = b[..., i * bm:(i + 1) * bm, j * bn:(j + 1) * bn]
+      dropped = (block <= _primitive._BIAS_DROPS_AT).all(axis=(-2, -1))
+      out[..., i, j] = ~(dropped & holds[..., i * bm:(i + 1) * bm].all(-1))
+  return out
+
+
+def _lowest_patches(rng, shape, dtype, patch=32):
+  """A bias of 32 x 32 patches that are the dtype's lowest value, -inf or random, with the
+  first patch column random (every row then holds a finite entry)."""
+  *lead, T, S = shape
+  kind = rng.integers(0, 3, (*lead, -(-T // patch), -(-S // patch)))
+  kind[..., 0] = 2
+  kind = np.repeat(np.repeat(kind, patch, -2), patch, -1)[..., :T, :S]
+  lowest = float(jnp.finfo(dtype).min)
+  return np.where(kind == 0, lowest, np.where(kind == 1, -np.inf,
+                                              rng.standard_normal(shape))).astype(dtype)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 200, 300), (1, 1, 129, 64), (2, 1, 1, 300),
+                                   (3, 2, 200, 1)], ids=str)
+def test_bias_tiles_drop_only_blocks_without_probability(shape):
+  """Blocks of the lowest value and -inf are dropped where their rows hold finite entries;
+  a row whose every entry is that low keeps its blocks; sizes that do not divide the tile,
+  broadcast query or key axes (one block along them)."""
+  rng = np.random.default_rng(0)
+  bias = _lowest_patches(rng, shape, jnp.bfloat16, patch=16)
+  bias[..., min(5, shape[-2] - 1), :] = jnp.finfo(jnp.bfloat16).min  # a row holding nothing
+  tile = _config.Sm90ForwardTile(head_dim=64, block_m=64, block_n=32, stages=2)
+  [ours] = _primitive._bias_tiles(jnp.asarray(bias), tile)
+  np.testing.assert_array_equal(np.asarray(ours), _brute_bias_classes(bias, 64, 32))
+  if shape[-1] > 1 and shape[-2] > 1:
+    assert (np.asarray(ours) == 0).any() and (np.asarray(ours) == 1).any()
+
+
 # --- the GPU -----------------------------------------------------------------------------------
 
 # Every broadcast of a bias: over batch, heads, queries (rows) or keys (a per-query constant,
@@ -92,6 +140,20 @@ def test_gpu_bias_arrays(platform, H, spec):
     case = Case(B=2, T=333, S=461, N=4, K=2, H=H, dtype=dtype.name, bias=spec, is_causal=True)
     check_forward(case, platform)
     check_gradients(case, platform, through_lse=True, bias_gradient=False)
+
+
+@with_platform("platform,H", [pytest.param("gpu", H, marks=pytest.mark.gpu, id=f"gpu-{H}")
+                              for H in _config.GPU_HEAD_DIMS])
+def test_gpu_bias_dropping_blocks(platform, H):
+  """A bias with patches of the dtype's lowest value and -inf, per head with grouped heads: the
+  kernels skip the blocks it drops; forward and gradients as the definition, every dtype."""
+  for dtype in _config.GPU_DTYPES:
+    case = Case(B=2, T=512, S=640, N=4, K=2, H=H, dtype=dtype.name, bias="BNTS")
+    inp = make_inputs(case)
+    inp.bias = _lowest_patches(np.random.default_rng(H), inp.bias.shape, inp.bias.dtype,
+                               patch=64)
+    check_forward(case, platform, inp=inp)
+    check_gradients(case, platform, inp=inp, through_lse=True, bias_gradient=False)
 
 
 @pytest.mark.parametrize("platform", [GPU], indirect=True)
@@ -135,19 +197,7 @@ def test_gpu_causal_bias_equals_is_causal(platform):
   dtype = _config.GPU_DTYPES[0]
   q, k, v = (jnp.asarray(rng.standard_normal((2, 1000, 4, 128)), dtype) for _ in range(3))
   tril = jnp.tril(jnp.ones((1000, 1000), bool))[None, None]
-  bias = jnp.where(tril, 0, jnp.finfo(dtype).min).astype(dtype)
-
-  def loss(q, k, v, **options):
-    out = jax_flash.dot_product_attention(q, k, v, **options)
-    return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(1000))[:, None, None]), out
-
-  run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True),
-                static_argnames="is_causal")
-  (_, out_bias), grads_bias = run(q, k, v, bias=bias)
-  (_, out_causal), grads_causal = run(q, k, v, is_causal=True)
-  for a, b in zip((out_bias, *grads_bias), (out_causal, *grads_causal)):
-    a, b = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
-    np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * np.abs(b).max())
+  check_equals_is_causal(q, k, v, bias=jnp.where(tril, 0, jnp.finfo(dtype).min).astype(dtype))
 
 
 @pytest.mark.parametrize("platform", [GPU], indirect=True)
@@ -158,46 +208,41 @@ def test_gpu_vmap_over_biases_only(platform):
   dtype = _config.GPU_DTYPES[0]
   q, k, v = (jnp.asarray(rng.standard_normal((1, 384, 2, 128)), dtype) for _ in range(3))
   biases = jnp.asarray(rng.standard_normal((3, 1, 2, 384, 384)) * 2, dtype)
-
-  def loss(q, k, v, bias):
-    out = jax_flash.dot_product_attention(q, k, v, bias)
-    return jnp.sum(out.astype(jnp.float32) * jnp.sin(jnp.arange(384))[:, None, None])
-
-  grad = jax.grad(loss, argnums=(0, 1, 2))
-  batched = jax.jit(jax.vmap(grad, in_axes=(None, None, None, 0)))(q, k, v, biases)
-  for i in range(biases.shape[0]):
-    one = jax.jit(grad)(q, k, v, biases[i])
-    for a, b in zip(batched, one):
-      a, b = np.asarray(a[i].astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
-      np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2 * np.abs(b).max())
+  check_vmap_over_logit_arrays(q, k, v, "bias", biases)
 
 
 @pytest.mark.parametrize("platform", [GPU], indirect=True)
 def test_gpu_bias_handler_checks(platform):
-  """The CUDA handlers refuse a bias of another dtype and a dbias they do not compute."""
+  """The CUDA handlers refuse a bias of another dtype, a bias without its block classes or with
+  classes of another tile, and a dbias they do not compute."""
   from jax_flash import _extension
   _extension.ensure_registered()
   dtype = _config.GPU_DTYPES[0]
   q = jnp.zeros((1, 128, 2, 64), dtype)
+  bias = jnp.zeros((1, 1, 128, 128), dtype)
+  blocks = jnp.ones((1, 1, 1, 1), jnp.int8)  # one block of either pass's tile at head dim 64
   attrs = dict(scale=np.float64(0.125), softcap=np.float64(0.0), window_left=np.int64(-1),
-               window_right=np.int64(-1), has_bias=True, has_mask=False, has_mask_blocks=False,
-               has_q_seqlens=False, has_kv_seqlens=False, has_segment_ids=False,
-               deterministic=False, has_dbias=False)
+               window_right=np.int64(-1), has_bias=True, has_bias_blocks=True, has_mask=False,
+               has_mask_blocks=False, has_q_seqlens=False, has_kv_seqlens=False,
+               has_segment_ids=False, deterministic=False, has_dbias=False)
   forward = jax.ffi.ffi_call(_extension.FORWARD_TARGET,
                              (jax.ShapeDtypeStruct(q.shape, dtype),
                               jax.ShapeDtypeStruct((1, 2, 128), jnp.float32)))
-  jax.block_until_ready(forward(q, q, q, jnp.zeros((1, 1, 128, 128), dtype), **attrs))
-  with pytest.raises(jax.errors.JaxRuntimeError, match="bias of the inputs' dtype"):
-    jax.block_until_ready(forward(q, q, q, jnp.zeros((1, 1, 128, 128), jnp.float32), **attrs))
+  jax.block_until_ready(forward(q, q, q, bias, blocks, **attrs))
+  for operands, overrides, message in (
+      ((bias.astype(jnp.float32), blocks), {}, "bias of the inputs' dtype"),
+      ((bias,), dict(has_bias_blocks=False), "bias_blocks"),
+      ((bias, jnp.ones((1, 1, 2, 1), jnp.int8)), {}, "bias_blocks")):
+    with pytest.raises(jax.errors.JaxRuntimeError, match=message):
+      jax.block_until_ready(forward(q, q, q, *operands, **dict(attrs, **overrides)))
   lse = jnp.zeros((1, 2, 128), jnp.float32)
-  bias = jnp.zeros((1, 1, 128, 128), dtype)
   workspace = _extension.backward_workspace_bytes(1, 128, 2, 64, dtype, False)
   backward = jax.ffi.ffi_call(
       _extension.BACKWARD_TARGET,
       tuple(jax.ShapeDtypeStruct(q.shape, dtype) for _ in range(3)) +
       (jax.ShapeDtypeStruct(bias.shape, dtype), jax.ShapeDtypeStruct((workspace,), np.uint8)))
   with pytest.raises(jax.errors.JaxRuntimeError, match="no bias gradient"):
-    jax.block_until_ready(backward(q, q, q, q, lse, q, lse, bias,
+    jax.block_until_ready(backward(q, q, q, q, lse, q, lse, bias, blocks,
                                    **dict(attrs, has_dbias=True)))
 
 

@@ -536,7 +536,7 @@ def test_default_device_selects_the_gpu_checks(monkeypatch):
 
 def _attrs(**overrides):
   attrs = dict(scale=np.float64(0.5), softcap=np.float64(0.0), window_left=np.int64(-1),
-               window_right=np.int64(-1), has_bias=False, has_mask=False,
+               window_right=np.int64(-1), has_bias=False, has_bias_blocks=False, has_mask=False,
                has_mask_blocks=False, has_q_seqlens=False, has_kv_seqlens=False,
                has_segment_ids=False, deterministic=False, has_dbias=False)
   attrs.update(overrides)

@@ -23,8 +23,8 @@ import jax_flash
 from jax_flash import _config, _primitive
 from jax_flash._validation import canonicalize
 
-from _harness import (Case, check_forward, check_gradients, check_ordered_dq_reduction,
-                      make_inputs)
+from _harness import (Case, check_equals_is_causal, check_forward, check_gradients,
+                      check_ordered_dq_reduction, check_vmap_over_logit_arrays, make_inputs)
 from _platforms import GPU, with_platform
 
 
@@ -179,7 +179,8 @@ def test_gpu_handler_checks_the_mask_operands(platform):
                           (jax.ShapeDtypeStruct(q.shape, dtype),
                            jax.ShapeDtypeStruct((1, 2, 256), jnp.float32)))
   attrs = dict(scale=np.float64(0.125), softcap=np.float64(0.0), window_left=np.int64(-1),
-               window_right=np.int64(-1), has_bias=False, has_mask=True, has_q_seqlens=False,
+               window_right=np.int64(-1), has_bias=False, has_bias_blocks=False, has_mask=True,
+               has_q_seqlens=False,
                has_kv_seqlens=False, has_segment_ids=False, deterministic=False,
                has_dbias=False)
   jax.block_until_ready(call(q, q, q, mask, blocks, bits, has_mask_blocks=True, **attrs))
@@ -263,19 +264,7 @@ def test_gpu_causal_mask_array_equals_is_causal(platform):
   rng = np.random.default_rng(3)
   q, k, v = (jnp.asarray(rng.standard_normal((2, 1000, 4, 64)), _config.GPU_DTYPES[0])
              for _ in range(3))
-  mask = jnp.asarray(_causal(1000, 1000))[None, None]
-
-  def loss(q, k, v, **options):
-    out = jax_flash.dot_product_attention(q, k, v, **options)
-    return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(1000))[:, None, None]), out
-
-  run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True),
-                static_argnames="is_causal")
-  (_, out_mask), grads_mask = run(q, k, v, mask=mask)
-  (_, out_causal), grads_causal = run(q, k, v, is_causal=True)
-  for a, b in zip((out_mask, *grads_mask), (out_causal, *grads_causal)):
-    a, b = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
-    np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * np.abs(b).max())
+  check_equals_is_causal(q, k, v, mask=jnp.asarray(_causal(1000, 1000))[None, None])
 
 
 @pytest.mark.parametrize("platform", [GPU], indirect=True)
@@ -295,15 +284,4 @@ def test_gpu_vmap_over_masks_only(platform):
   q, k, v = (jnp.asarray(rng.standard_normal((1, 384, 2, 128)), _config.GPU_DTYPES[0])
              for _ in range(3))
   masks = jnp.asarray(np.stack([_patches(rng, (1, 2, 384, 384)) for _ in range(3)]))
-
-  def loss(q, k, v, mask):
-    out = jax_flash.dot_product_attention(q, k, v, mask=mask)
-    return jnp.sum(out.astype(jnp.float32) * jnp.sin(jnp.arange(384))[:, None, None])
-
-  grad = jax.grad(loss, argnums=(0, 1, 2))
-  batched = jax.jit(jax.vmap(grad, in_axes=(None, None, None, 0)))(q, k, v, masks)
-  for i in range(masks.shape[0]):
-    one = jax.jit(grad)(q, k, v, masks[i])
-    for a, b in zip(batched, one):
-      a, b = np.asarray(a[i].astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
-      np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2 * np.abs(b).max())
+  check_vmap_over_logit_arrays(q, k, v, "mask", masks)

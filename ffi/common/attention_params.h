@@ -113,6 +113,11 @@ struct ForwardParams {
   AttentionOptions options;
   Operand q, k, v;
   Operand bias;        //!< optional, dtype float64/float32/bfloat16/float16
+  //! Optional with a bias (the Hopper kernels need it, the CPU kernels do not read it): the
+  //! class of every (query block, key block) of the bias for the pass's tile, as mask_blocks
+  //! below: 0 where the bias drops every logit of the block (jax_flash/_primitive.py,
+  //! _bias_blocks), 1 otherwise.
+  Operand bias_blocks;
   Operand mask;        //!< optional, bool: true keeps the logit
   //! Optional with a mask, together (the Hopper kernels need them, the CPU kernels read
   //! neither): mask_blocks, the class of every (query block, key block) of the mask for the

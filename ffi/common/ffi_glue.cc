@@ -211,7 +211,11 @@ Status DescribeInputs(const AttentionAttrs& attrs, const BatchShape& batch,
   if (attrs.has_mask_blocks && !attrs.has_mask) {
     return Status::InvalidArgument("jax_flash: mask_blocks come only with a mask");
   }
-  const size_t expected_optional = static_cast<size_t>(attrs.has_bias) + attrs.has_mask +
+  if (attrs.has_bias_blocks && !attrs.has_bias) {
+    return Status::InvalidArgument("jax_flash: bias_blocks come only with a bias");
+  }
+  const size_t expected_optional = static_cast<size_t>(attrs.has_bias) + attrs.has_bias_blocks +
+                                   attrs.has_mask +
                                    (attrs.has_mask_blocks ? 2 : 0) +
                                    attrs.has_q_seqlens + attrs.has_kv_seqlens +
                                    (attrs.has_segment_ids ? 4 : 0);
@@ -230,6 +234,18 @@ Status DescribeInputs(const AttentionAttrs& attrs, const BatchShape& batch,
     return Status::Ok();
   };
   BufferView view{};
+  // Block classes and bits: their extents depend on the pass and its tile, which the kernels
+  // check (here: any).
+  auto take_tile_part = [&](const char* name, ElementType dtype, Operand* operand) -> Status {
+    JF_RETURN_IF_ERROR(take(name, &view));
+    const size_t r = static_cast<size_t>(batch.rank);
+    const bool ranked = view.dims.size() == r + 3;  // else Describe reports the rank
+    JF_RETURN_IF_ERROR(Describe(name, view, batch,
+                                {s.num_heads, ranked ? view.dims[r + 1] : 1,
+                                 ranked ? view.dims[r + 2] : 1},
+                                InnerCheck::kExactOrOne, BatchCheck::kFullOrOne, operand));
+    return CheckDtype(name, *operand, dtype);
+  };
   if (attrs.has_bias) {
     JF_RETURN_IF_ERROR(take("bias", &view));
     JF_RETURN_IF_ERROR(Describe("bias", view, batch, {s.num_heads, s.seqlen_q, s.seqlen_k},
@@ -239,6 +255,9 @@ Status DescribeInputs(const AttentionAttrs& attrs, const BatchShape& batch,
                                      ElementTypeName(p->bias.dtype) + " is not floating");
     }
   }
+  if (attrs.has_bias_blocks) {
+    JF_RETURN_IF_ERROR(take_tile_part("bias_blocks", ElementType::kInt8, &p->bias_blocks));
+  }
   if (attrs.has_mask) {
     JF_RETURN_IF_ERROR(take("mask", &view));
     JF_RETURN_IF_ERROR(Describe("mask", view, batch, {s.num_heads, s.seqlen_q, s.seqlen_k},
@@ -246,19 +265,8 @@ Status DescribeInputs(const AttentionAttrs& attrs, const BatchShape& batch,
     JF_RETURN_IF_ERROR(CheckDtype("mask", p->mask, ElementType::kBool));
   }
   if (attrs.has_mask_blocks) {
-    // Their extents depend on the pass and its tile, which the kernels check (here: any).
-    auto take_mask_part = [&](const char* name, ElementType dtype, Operand* operand) -> Status {
-      JF_RETURN_IF_ERROR(take(name, &view));
-      const size_t r = static_cast<size_t>(batch.rank);
-      const bool ranked = view.dims.size() == r + 3;  // else Describe reports the rank
-      JF_RETURN_IF_ERROR(Describe(name, view, batch,
-                                  {s.num_heads, ranked ? view.dims[r + 1] : 1,
-                                   ranked ? view.dims[r + 2] : 1},
-                                  InnerCheck::kExactOrOne, BatchCheck::kFullOrOne, operand));
-      return CheckDtype(name, *operand, dtype);
-    };
-    JF_RETURN_IF_ERROR(take_mask_part("mask_blocks", ElementType::kInt8, &p->mask_blocks));
-    JF_RETURN_IF_ERROR(take_mask_part("mask_bits", ElementType::kUInt32, &p->mask_bits));
+    JF_RETURN_IF_ERROR(take_tile_part("mask_blocks", ElementType::kInt8, &p->mask_blocks));
+    JF_RETURN_IF_ERROR(take_tile_part("mask_bits", ElementType::kUInt32, &p->mask_bits));
   }
   if (attrs.has_q_seqlens) {
     JF_RETURN_IF_ERROR(take("query_seq_lengths", &view));

@@ -4,10 +4,11 @@
            into ForwardParams/BackwardParams with full validation. Host compiler only.
 
     Targets (same names on the "cpu" and "CUDA" platforms):
-      jax_flash_fwd(q, k, v, [bias], [mask], [mask_tiles], [q_seqlens], [kv_seqlens],
-                    [segments]) -> (out, lse)
-      jax_flash_bwd(q, k, v, out, lse, dout, dlse, [bias], [mask], [mask_tiles], [q_seqlens],
-                    [kv_seqlens], [segments]) -> (dq, dk, dv, [dbias], platform results...)
+      jax_flash_fwd(q, k, v, [bias], [bias_blocks], [mask], [mask_tiles], [q_seqlens],
+                    [kv_seqlens], [segments]) -> (out, lse)
+      jax_flash_bwd(q, k, v, out, lse, dout, dlse, [bias], [bias_blocks], [mask], [mask_tiles],
+                    [q_seqlens], [kv_seqlens], [segments]) -> (dq, dk, dv, [dbias], platform
+                    results...)
     where [mask_tiles] is the two operands mask_blocks, mask_bits (attribute has_mask_blocks)
     and [segments] the four operands q_segment_ids, kv_segment_ids, kv_span, q_span. The
     bracketed operands are present in that order exactly when the matching has_* attribute
@@ -34,6 +35,7 @@ struct AttentionAttrs {
   int64_t window_left;
   int64_t window_right;
   bool has_bias;
+  bool has_bias_blocks;  //!< bias_blocks follows the bias (attention_params.h)
   bool has_mask;
   bool has_mask_blocks;  //!< mask_blocks and mask_bits follow the mask (attention_params.h)
   bool has_q_seqlens;
@@ -103,6 +105,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_flash::AttentionAttrs,
                                       ::xla::ffi::StructMember<int64_t>("window_left"),
                                       ::xla::ffi::StructMember<int64_t>("window_right"),
                                       ::xla::ffi::StructMember<bool>("has_bias"),
+                                      ::xla::ffi::StructMember<bool>("has_bias_blocks"),
                                       ::xla::ffi::StructMember<bool>("has_mask"),
                                       ::xla::ffi::StructMember<bool>("has_mask_blocks"),
                                       ::xla::ffi::StructMember<bool>("has_q_seqlens"),

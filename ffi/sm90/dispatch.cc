@@ -47,6 +47,10 @@ Status CheckProblem(const ForwardParams& p, const char* pass, bool takes_bias, b
     return Status::InvalidArgument("jax_flash: the Hopper kernels need the mask's block classes "
                                    "and bits (mask_blocks, mask_bits) with a mask array");
   }
+  if (p.bias.present() && !p.bias_blocks.present()) {
+    return Status::InvalidArgument("jax_flash: the Hopper kernels need the bias's block classes "
+                                   "(bias_blocks) with a bias array");
+  }
   if ((p.mask.present() || p.bias.present()) &&
       (p.mask.present() + p.bias.present() > 1 || p.options.softcap > 0 ||
        p.q_segment_ids.present())) {

@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
     // One thread issues every TMA load; with segment ids or a mask array its whole warp builds
     // each tile's TileInfo (a warp collective).
-    constexpr bool kWarpBuildsTileInfo = Traits::kSegments || Traits::kMask;
+    constexpr bool kWarpBuildsTileInfo = Traits::kSegments || Traits::kBlockClasses;
     if (threadIdx.x >= (kWarpBuildsTileInfo ? 32 : 1)) return;
     const bool loader = threadIdx.x == 0;
     PipelineState write_state = cutlass::make_producer_start_state<PipelineKV>();

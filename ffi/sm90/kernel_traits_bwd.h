@@ -42,6 +42,9 @@ struct BackwardKernelTraits {
   static constexpr bool kMask = kMask_;
   //! A bias array, added to every block's logits (no bias gradient: dbias is not computed).
   static constexpr bool kBias = kBias_;
+  //! Block classes (of the mask, or where the bias drops whole blocks) narrow the blocks
+  //! visited and skip the empty ones.
+  static constexpr bool kBlockClasses = kMask || kBias;
   static constexpr int kBlockM = Tile::kBlockM;  //!< queries per step
   static constexpr int kBlockN = Tile::kBlockN;  //!< keys per CTA
   static constexpr int kStagesQ = Tile::kStagesQ;

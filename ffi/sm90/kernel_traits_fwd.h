@@ -33,6 +33,9 @@ struct ForwardKernelTraits {
   static constexpr bool kMask = kMask_;
   //! A bias array, added to every block's logits.
   static constexpr bool kBias = kBias_;
+  //! Block classes (of the mask, or where the bias drops whole blocks) narrow the blocks
+  //! visited and skip the empty ones.
+  static constexpr bool kBlockClasses = kMask || kBias;
   //! Two rows per thread (a 64-row atom); products rounded where a bias can make logits huge.
   using Softmax = OnlineSoftmax<2, kBias>;
   static constexpr int kBlockM = Tile::kBlockM;

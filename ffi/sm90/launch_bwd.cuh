@@ -50,7 +50,7 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
   typename Kernel::Params kp;
   Status status = check_mask_operands(f, Traits::kBlockM, Traits::kBlockN,
                                       /*rows_are_keys=*/true);
-  if (status.ok()) status = check_bias_operand(f, &p.dbias);
+  if (status.ok()) status = check_bias_operands(f, Traits::kBlockM, Traits::kBlockN, &p.dbias);
   if (!status.ok()) return status;
   kp.problem = make_problem(f);
   typename Kernel::Mainloop::Arguments mainloop;
@@ -61,7 +61,7 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
                  {&f.q.batch, &f.k.batch, &f.v.batch, &p.dout.batch, &f.out.batch, &f.lse.batch,
                   &p.dlse.batch, &f.q_seqlens.batch, &f.kv_seqlens.batch,
                   &f.q_segment_ids.batch, &f.kv_segment_ids.batch, &f.q_span.batch,
-                  &f.mask_bits.batch, &f.mask_blocks.batch, &f.bias.batch},
+                  &f.mask_bits.batch, &block_classes(f).batch, &f.bias.batch},
                  &kp.problem.batch,
                  {&mainloop.q_batch, &mainloop.k_batch, &mainloop.v_batch, &mainloop.dout_batch,
                   &pre.out_batch, &pre.lse_batch, &pre.dlse_batch, &kp.problem.q_seqlens_batch,
@@ -128,10 +128,10 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
   // causal (bounded on the right) gives the first key blocks the most work, which the natural
   // order already runs first. Every key block of a head reads all its queries' Q and dO and
   // adds into all their dQ sums: a wave runs whole heads, so that each (query block, head)
-  // is read from memory and its sums cross L2 about once rather than once per key block. A
-  // mask array is balanced like a window (its uneven masks are mostly causal ones).
+  // is read from memory and its sums cross L2 about once rather than once per key block. Block
+  // classes (a mask's, a bias's) are balanced like a window (uneven ones are mostly causal).
   const bool windowed = f.options.window_left >= 0 || f.options.window_right >= 0 ||
-                        f.mask.present();
+                        block_classes(f).present();
   const bool reverse = f.options.window_left >= 0 && f.options.window_right < 0;
   const int64_t shared_bytes_per_head =
       (2 * s.seqlen_q * s.head_dim * int64_t(sizeof(Element)) +

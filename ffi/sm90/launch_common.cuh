@@ -67,6 +67,11 @@ void coalesce_batch(const BatchShape& shape, const BatchMap* const (&maps)[kOper
   }
 }
 
+//! The block classes the kernels read: the mask's, else the bias's (absent without either).
+inline const Operand& block_classes(const ForwardParams& p) {
+  return p.mask.present() ? p.mask_blocks : p.bias_blocks;
+}
+
 //! The problem's sizes, visibility rule, segment ids, mask and bias arrays; the batch axes (of
 //! the problem and of each per-item array) are filled by coalesce_batch.
 inline AttentionProblem make_problem(const ForwardParams& p) {
@@ -90,18 +95,21 @@ inline AttentionProblem make_problem(const ForwardParams& p) {
   problem.segments.kv_ids = rows(p.kv_segment_ids);
   problem.segments.kv_span = rows(p.kv_span);
   problem.segments.q_span = rows(p.q_span);
+  MaskArray& mask = problem.mask;
   if (p.mask.present()) {
-    MaskArray& mask = problem.mask;
     mask.bits = static_cast<const uint32_t*>(p.mask_bits.data);
     mask.item_stride = p.mask_bits.batch_stride;
     mask.head_stride = p.mask_bits.stride[0];
     mask.row_stride = int32_t(p.mask_bits.stride[1]);
     mask.words_per_row = int32_t(p.mask_bits.extent[2]);
-    mask.blocks = static_cast<const MaskBlock*>(p.mask_blocks.data);
-    mask.blocks_item_stride = p.mask_blocks.batch_stride;
-    mask.blocks_head_stride = int32_t(p.mask_blocks.stride[0]);
-    mask.blocks_m_stride = int32_t(p.mask_blocks.stride[1]);
-    mask.blocks_n_stride = int32_t(p.mask_blocks.stride[2]);
+  }
+  const Operand& classes = block_classes(p);
+  if (classes.present()) {
+    mask.blocks = static_cast<const MaskBlock*>(classes.data);
+    mask.blocks_item_stride = classes.batch_stride;
+    mask.blocks_head_stride = int32_t(classes.stride[0]);
+    mask.blocks_m_stride = int32_t(classes.stride[1]);
+    mask.blocks_n_stride = int32_t(classes.stride[2]);
   }
   if (p.bias.present()) {
     BiasArray& bias = problem.bias;
@@ -117,47 +125,65 @@ inline AttentionProblem make_problem(const ForwardParams& p) {
   return problem;
 }
 
+//! Checks an operand that travels with a logit array `of` (named `of_name`): dtype, extents
+//! `want` and the batch axes broadcast exactly where the array's are.
+inline Status check_companion(const ForwardParams& p, const char* name, const Operand& op,
+                              ElementType dtype, const int64_t (&want)[3], const char* what,
+                              const Operand& of, const char* of_name) {
+  bool ok = op.present() && op.dtype == dtype;
+  for (int i = 0; i < 3; ++i) ok = ok && op.extent[i] == want[i];
+  for (int i = 0; i < p.shape.batch.rank; ++i) {
+    ok = ok && (op.batch.stride[i] == 0) == (of.batch.stride[i] == 0);
+  }
+  if (ok) return Status::Ok();
+  return Status::InvalidArgument(std::string("jax_flash: ") + name + " must be " + what +
+                                 ", shaped (batch..., " + std::to_string(want[0]) + ", " +
+                                 std::to_string(want[1]) + ", " + std::to_string(want[2]) +
+                                 ") and broadcast like the " + of_name);
+}
+
+//! Checks the block classes of a logit array (mask or bias) for a (block_m, block_n) tile: one
+//! per block of each axis the array holds (one where it broadcasts the axis).
+inline Status check_block_classes(const ForwardParams& p, const char* name, const Operand& classes,
+                                  const Operand& of, const char* of_name, int block_m,
+                                  int block_n) {
+  const int64_t blocks[3] = {of.extent[0], (of.extent[1] + block_m - 1) / block_m,
+                             (of.extent[2] + block_n - 1) / block_n};
+  const std::string what = std::string("the int8 classes of the ") + of_name + "'s " +
+                           std::to_string(block_m) + " x " + std::to_string(block_n) + " blocks";
+  return check_companion(p, name, classes, ElementType::kInt8, blocks, what.c_str(), of, of_name);
+}
+
 //! Checks the mask array's operands for a pass whose rows are queries (or keys, with
-//! rows_are_keys) on a (block_m, block_n) tile: the block classes one per block of each axis
-//! the mask holds (one where it broadcasts the axis), the bits one row per query (key) the
-//! mask holds and a bit per key (query), both broadcast over batch and heads exactly where the
-//! mask is.
+//! rows_are_keys) on a (block_m, block_n) tile: the block classes, and the bits one row per
+//! query (key) the mask holds and a bit per key (query), broadcast over batch and heads exactly
+//! where the mask is.
 inline Status check_mask_operands(const ForwardParams& p, int block_m, int block_n,
                                   bool rows_are_keys) {
   if (!p.mask.present()) return Status::Ok();
   const Operand& m = p.mask;
   const AttentionShape& s = p.shape;
-  auto check = [&](const char* name, const Operand& op, ElementType dtype,
-                   const int64_t (&want)[3], const char* what) {
-    bool ok = op.present() && op.dtype == dtype;
-    for (int i = 0; i < 3; ++i) ok = ok && op.extent[i] == want[i];
-    for (int i = 0; i < s.batch.rank; ++i) {
-      ok = ok && (op.batch.stride[i] == 0) == (m.batch.stride[i] == 0);
-    }
-    if (ok) return Status::Ok();
-    return Status::InvalidArgument(std::string("jax_flash: ") + name + " must be " + what +
-                                   ", shaped (batch..., " + std::to_string(want[0]) + ", " +
-                                   std::to_string(want[1]) + ", " + std::to_string(want[2]) +
-                                   ") and broadcast like the mask");
-  };
-  const int64_t blocks[3] = {m.extent[0], (m.extent[1] + block_m - 1) / block_m,
-                             (m.extent[2] + block_n - 1) / block_n};
-  const std::string tile = std::to_string(block_m) + " x " + std::to_string(block_n);
-  Status status = check("mask_blocks", p.mask_blocks, ElementType::kInt8, blocks,
-                        ("the int8 classes of the mask's " + tile + " blocks").c_str());
+  Status status = check_block_classes(p, "mask_blocks", p.mask_blocks, m, "mask", block_m,
+                                      block_n);
   if (!status.ok()) return status;
   const int64_t rows = rows_are_keys ? m.extent[2] : m.extent[1];  // 1 where broadcast
   const int64_t cols = rows_are_keys ? s.seqlen_q : s.seqlen_k;
   const int64_t bits[3] = {m.extent[0], rows, (cols + 31) / 32};
-  return check("mask_bits", p.mask_bits, ElementType::kUInt32, bits,
-               rows_are_keys ? "the mask's key rows (the mask transposed) as uint32 bits"
-                             : "the mask's query rows as uint32 bits");
+  return check_companion(p, "mask_bits", p.mask_bits, ElementType::kUInt32, bits,
+                         rows_are_keys ? "the mask's key rows (the mask transposed) as uint32 bits"
+                                       : "the mask's query rows as uint32 bits",
+                         m, "mask");
 }
 
-//! Checks what the kernels require of a bias array: the inputs' dtype (they read it as such)
-//! and, in the backward, no bias gradient (the kernels do not compute it).
-inline Status check_bias_operand(const ForwardParams& p, const Operand* dbias) {
+//! Checks what the kernels require of a bias array: the inputs' dtype (they read it as such),
+//! its block classes for the (block_m, block_n) tile and, in the backward, no bias gradient
+//! (the kernels do not compute it).
+inline Status check_bias_operands(const ForwardParams& p, int block_m, int block_n,
+                                  const Operand* dbias) {
   if (!p.bias.present()) return Status::Ok();
+  Status status = check_block_classes(p, "bias_blocks", p.bias_blocks, p.bias, "bias", block_m,
+                                      block_n);
+  if (!status.ok()) return status;
   if (p.bias.dtype != p.shape.dtype) {
     return Status::InvalidArgument("jax_flash: the Hopper kernels read a bias of the inputs' "
                                    "dtype only (jax_flash routes others to its blockwise path)");

@@ -25,7 +25,9 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
 
   Status status = check_mask_operands(p, Traits::kBlockM, Traits::kBlockN,
                                       /*rows_are_keys=*/false);
-  if (status.ok()) status = check_bias_operand(p, /*dbias=*/nullptr);
+  if (status.ok()) {
+    status = check_bias_operands(p, Traits::kBlockM, Traits::kBlockN, /*dbias=*/nullptr);
+  }
   if (!status.ok()) return status;
   kp.problem = make_problem(p);
   typename Kernel::Mainloop::Arguments mainloop;
@@ -34,7 +36,7 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   coalesce_batch(s.batch,
                  {&p.q.batch, &p.k.batch, &p.v.batch, &p.q_seqlens.batch, &p.kv_seqlens.batch,
                   &p.q_segment_ids.batch, &p.kv_segment_ids.batch, &p.kv_span.batch,
-                  &p.mask_bits.batch, &p.mask_blocks.batch, &p.bias.batch},
+                  &p.mask_bits.batch, &block_classes(p).batch, &p.bias.batch},
                  &kp.problem.batch,
                  {&mainloop.q_batch, &mainloop.k_batch, &mainloop.v_batch,
                   &kp.problem.q_seqlens_batch, &kp.problem.kv_seqlens_batch,
@@ -63,9 +65,9 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   // K and V together from L2), and the lengths of the blocks follow the segments, not their
   // position, so longest-first needs no long sections. A mask array's work per block is not
   // known here; the masks that make it uneven are mostly causal ones (Flax's), so they are
-  // scheduled like a window. A bias adds the same work to every block.
+  // scheduled like a window, and so are a bias's (causal ones, where it drops blocks).
   const bool windowed = p.options.window_left >= 0 || p.options.window_right >= 0 ||
-                        p.mask.present();
+                        block_classes(p).present();
   const bool packed = p.q_segment_ids.present();
   const int64_t kv_bytes_per_head = 2 * s.seqlen_k * s.head_dim * int64_t(sizeof(Element));
   status = make_schedule(num_m_blocks, s.num_heads, num_heads_total, kv_bytes_per_head,

@@ -159,9 +159,10 @@ struct BackwardMainloop {
                                              n_end);
         if (p.segments.backward_skips_blocks) queries = segments.template narrow<kBlockM>(queries);
       }
-      if constexpr (Traits::kMask) {
+      if constexpr (Traits::kBlockClasses) {
         if (p.mask.skip_empty_blocks) {
-          // The query blocks that some query head of the group sees through the mask.
+          // The query blocks that some query head of the group sees through the mask (or the
+          // bias).
           BlockSpan seen{INT32_MAX, INT32_MIN};
           for (int32_t g = 0; g < p.group_size; ++g) {
             const BlockSpan head_span = narrow_by_mask</*kOwnIsKeyBlock=*/true>(
@@ -184,10 +185,10 @@ struct BackwardMainloop {
     CUTE_DEVICE const Element* bias_of(AttentionProblem const& p, int32_t g) const {
       return p.bias.template of<Element>(p.batch, coord.batch, coord.head * p.group_size + g);
     }
-    //! The class of query block m_block under `mask` (every block is full without a mask).
+    //! The class of query block m_block under `mask` (every block is full without classes).
     CUTE_DEVICE MaskBlock query_block_class(AttentionProblem const& p, MaskView const& mask,
                                             int32_t m_block) const {
-      if constexpr (Traits::kMask) {
+      if constexpr (Traits::kBlockClasses) {
         return mask.block(p.mask, m_block, coord.block);
       } else {
         return MaskBlock::kFull;
@@ -195,7 +196,7 @@ struct BackwardMainloop {
     }
     //! Whether the roles pass over query block m_block of class `cls`.
     CUTE_DEVICE static bool skips(AttentionProblem const& p, MaskBlock cls) {
-      if constexpr (Traits::kMask) {
+      if constexpr (Traits::kBlockClasses) {
         return cls == MaskBlock::kEmpty && p.mask.skip_empty_blocks;
       } else {
         return false;

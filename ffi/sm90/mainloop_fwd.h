@@ -92,14 +92,14 @@ struct ForwardMainloop {
   struct Absent {};
 
   //! What producer and consumers know alike about one (query block, head, batch) tile. Built
-  //! by whole warps (with segment ids or a mask array, a warp collective narrows the keys).
+  //! by whole warps (with segment ids or block classes, a warp collective narrows the keys).
   struct TileInfo {
     TileCoord coord;
     SeqLengths lens;
     BlockSpan keys;  //!< key blocks that may hold visible keys
     //! Keys sharing a segment with some / every row of the tile.
     SegmentReachOf<Traits::kSegments> segments;
-    std::conditional_t<Traits::kMask, MaskView, Absent> mask;
+    std::conditional_t<Traits::kBlockClasses, MaskView, Absent> mask;
     //! The bias of the tile's (batch item, head) at (query 0, key 0).
     std::conditional_t<Traits::kBias, const Element*, Absent> bias;
 
@@ -112,7 +112,7 @@ struct ForwardMainloop {
                                                      m_start, m_end);
         keys = segments.template narrow<Traits::kBlockN>(keys);
       }
-      if constexpr (Traits::kMask) {
+      if constexpr (Traits::kBlockClasses) {
         mask = MaskView::of(p.mask, p.batch, c.batch, c.head);
         keys = narrow_by_mask</*kOwnIsKeyBlock=*/false>(p.mask, mask, c.block, keys);
       }
@@ -120,9 +120,10 @@ struct ForwardMainloop {
     }
     CUTE_DEVICE bool empty() const { return keys.empty(); }
     CUTE_DEVICE int32_t m_start() const { return coord.block * Traits::kBlockM; }
-    //! The mask array's class of key block n_block (every block is full without one).
+    //! The class of key block n_block: the mask array's, or with a bias whether it drops the
+    //! block (every block is full without classes).
     CUTE_DEVICE MaskBlock key_block_class(AttentionProblem const& p, int32_t n_block) const {
-      if constexpr (Traits::kMask) {
+      if constexpr (Traits::kBlockClasses) {
         return mask.block(p.mask, coord.block, n_block);
       } else {
         return MaskBlock::kFull;
@@ -138,7 +139,7 @@ struct ForwardMainloop {
                                MaskBlock below) const {
       --n_block;
       cls = below;
-      if constexpr (Traits::kMask) {
+      if constexpr (Traits::kBlockClasses) {
         while (n_block >= keys.begin && cls == MaskBlock::kEmpty) {
           --n_block;
           cls = n_block >= keys.begin ? key_block_class(p, n_block) : MaskBlock::kEmpty;

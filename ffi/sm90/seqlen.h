@@ -62,14 +62,16 @@ struct SegmentIds {
 };
 
 //! How jax_flash/_primitive.py classifies each (query block, key block) of a mask array for a
-//! pass's tile: no pair kept, some kept, every pair kept.
+//! pass's tile: no pair kept, some kept, every pair kept. A bias's blocks are empty where the
+//! bias drops every logit (see _bias_blocks there), else partial.
 enum class MaskBlock : int8_t { kEmpty = 0, kPartial = 1, kFull = 2 };
 
 //! A boolean mask array (true keeps a logit) as the kernels read it: its rows as bits,
 //! (items, N|1, rows|1, words_per_row) uint32 with the pass's rows (queries forward, keys
 //! backward), and its block classes (items, N|1, query blocks|1, key blocks|1) for the pass's
 //! tile, each with zero strides on its broadcast axes. The kernels visit only the blocks that
-//! are not empty and read the bits only in the partial ones.
+//! are not empty and read the bits only in the partial ones. With a bias instead of a mask,
+//! only the classes are set (from the bias's own, broadcast like the bias).
 struct MaskArray {
   const uint32_t* bits = nullptr;
   DeviceBatchMap batch;
