@@ -12,8 +12,9 @@
     partial sums into an fp32 accumulator in global memory with bulk reductions issued by a
     producer warp; when dq_semaphore is set, the CTAs of a query block add in a fixed order.
     With segment ids a CTA visits only the query blocks its keys' segments reach, and with a
-    mask array only those its block classes leave non-empty, except under that fixed order,
-    whose turns count every key block the window lets see a query block.
+    mask or bias array only those its block classes leave non-empty, except under that fixed
+    order, whose turns count every key block the window lets see a query block. A bias is added
+    to S^T as in the forward (read transposed); its gradient is not computed here.
 */
 #pragma once
 

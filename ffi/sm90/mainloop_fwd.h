@@ -3,7 +3,7 @@
            shared storage; the producer's TMA loads of Q and of the K/V pipeline; the consumers'
            QK^T -> soft-cap or bias (optional) -> mask -> online softmax -> PV sequence. With
            segment ids, a tile visits only the key blocks its rows' segments reach; with a mask
-           array, only the key blocks its classes leave non-empty.
+           or bias array, only the key blocks its block classes leave non-empty.
 
     Consumers overlap within a warpgroup: while the softmax of key block j runs, the wgmma of
     P_{j+1} V_{j+1} (issued just before) proceeds on the tensor cores. Across warpgroups they
@@ -257,7 +257,8 @@ struct ForwardMainloop {
                               SharedStorage& storage, PipelineKV& pipeline_k,
                               PipelineKV& pipeline_v, PipelineState& read_state, uint32_t q_phase,
                               TileInfo const& info, int warp_group, int thread_idx,
-                              TensorO& tOrO, typename Traits::Softmax& softmax, ReleaseQ&& release_q) {
+                              TensorO& tOrO, typename Traits::Softmax& softmax,
+                              ReleaseQ&& release_q) {
     Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKV{});
     Tensor sVt = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutVt{});
@@ -279,7 +280,7 @@ struct ForwardMainloop {
     const SegmentAxes</*kRowsAreKeys=*/false> segments{problem, info.coord.batch};
 
     // The cap and the bias come before masking: masked logits must end at -inf.
-    auto cap_and_mask = [&](int n_block, MaskBlock cls) {
+    auto cap_bias_and_mask = [&](int n_block, MaskBlock cls) {
       if constexpr (Traits::kSoftcap) params.softcap.apply(s);
       if constexpr (Traits::kBias) {
         mask.add_bias(s, info.bias, problem.bias.row_stride, problem.bias.col_stride,
@@ -329,7 +330,7 @@ struct ForwardMainloop {
     warpgroup_wait<0>();
     pipeline_k.consumer_release(read_state);
     if (n_block == info.keys.begin) release_q();
-    cap_and_mask(n_block, cls);
+    cap_bias_and_mask(n_block, cls);
     softmax.template step</*kFirst=*/true>(s);
     convert_into(tSrS, tOrP);
     ++read_state;
@@ -349,7 +350,7 @@ struct ForwardMainloop {
       warpgroup_wait<1>();  // S_j complete; P V may still run
       pipeline_k.consumer_release(read_state);
       if (n_block == info.keys.begin) release_q();
-      cap_and_mask(n_block, cls);
+      cap_bias_and_mask(n_block, cls);
       const auto rescale = softmax.template step</*kFirst=*/false>(s);
       warpgroup_wait<0>();  // P V complete: O may be rescaled and P overwritten
       pipeline_v.consumer_release(v_state);
