@@ -1,9 +1,14 @@
 """The FFI calls, their batching, partitioning and custom_vjp.
 
-Forward:  jax_flash_fwd(q, k, v, [bias], [mask], [mask_tiles], [q_len], [kv_len], [segments])
-          -> (out, lse (B, N, T))
-Backward: jax_flash_bwd(q, k, v, out, lse, dout, dlse, [bias], [mask], [mask_tiles], [q_len],
-          [kv_len], [segments]) -> (dq, dk, dv, [dbias])
+Forward:  jax_flash_fwd(q, k, v, [bias], [bias_blocks], [mask], [mask_tiles], [q_len],
+          [kv_len], [segments]) -> (out, lse (B, N, T))
+Backward: jax_flash_bwd(q, k, v, out, lse, dout, dlse, [bias], [bias_blocks], [mask],
+          [mask_tiles], [q_len], [kv_len], [segments]) -> (dq, dk, dv, [dbias])
+
+where [bias_blocks], passed to the Hopper kernels with a bias (attribute has_bias_blocks), is
+the class of every block of the bias for the pass's tile (`_bias_tiles`: 0 where the bias
+drops every logit of the block, which the kernels skip), and [dbias] is returned where the
+bias is differentiated (attribute has_dbias; the custom_vjp knows it from symbolic zeros).
 
 where [mask_tiles], passed to the Hopper kernels with a mask (attribute has_mask_blocks), is
 two operands (`_mask_tiles`): the class of every (query block, key block) of the mask for the
@@ -26,7 +31,9 @@ everywhere. The results of the calls are typed like their operands inside shard_
 Layers, outermost first:
 
   custom_vjp     `attention`: the gradient also flows through the log-sum-exp: the backward
-                 folds dlse into the row term, dS = P * (dP - (rowsum(dO * O) - dlse)).
+                 folds dlse into the row term, dS = P * (dP - (rowsum(dO * O) - dlse)). A bias
+                 that is not differentiated gets no gradient computed (the Hopper backward
+                 computes none: a differentiated bias runs the blockwise backward).
   custom_vmap    `_batched`: batching with the semantics of ffi_call's
                  vmap_method="expand_dims". A vmapped axis arrives as a leading batch axis on
                  every operand; operands that are not mapped get a leading axis of extent 1,
