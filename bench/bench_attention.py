@@ -963,6 +963,21 @@ def select_platform(requested: str | None) -> str:
   return "gpu" if backend == "gpu" else "cpu"
 
 
+def add_run_arguments(p: argparse.ArgumentParser, iterations: int) -> None:
+  """The options the smaller benchmarks share: the platform, the input dtype (run_dtype), the
+  timed iterations and the output directory."""
+  p.add_argument("--platform", choices=("cpu", "gpu"), default=None)
+  p.add_argument("--dtype", default=None, help="default: bfloat16 on the GPU, float32 on the CPU")
+  p.add_argument("--iterations", type=int, default=iterations)
+  p.add_argument("--out", default=str(Path(__file__).resolve().parent / "out"))
+
+
+def run_dtype(requested: str | None, platform: str) -> str:
+  """The smaller benchmarks' input dtype: --dtype, else bfloat16 on the GPU, float32 on the
+  CPU."""
+  return requested or ("bfloat16" if platform == "gpu" else "float32")
+
+
 def main(argv=None) -> dict | None:
   args = parse_args(argv)
   if args.list_grids:

@@ -144,23 +144,20 @@ def plot(data: dict, path: Path) -> None:
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--platform", choices=("cpu", "gpu"), default=None)
+  bench_attention.add_run_arguments(p, iterations=10)
   p.add_argument("--batch", type=int, default=4)
   p.add_argument("--seq", type=int, default=4096)
   p.add_argument("--heads", type=int, default=16)
   p.add_argument("--head-dim", type=int, default=128)
   p.add_argument("--doc-len", type=int, default=512)
   p.add_argument("--modes", default="fwd,fwd_bwd")
-  p.add_argument("--dtype", default=None, help="default: bfloat16 on the GPU, float32 on the CPU")
-  p.add_argument("--iterations", type=int, default=10)
-  p.add_argument("--out", default=str(HERE / "out"))
   return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
   platform = bench_attention.select_platform(args.platform)
-  args.dtype = args.dtype or ("bfloat16" if platform == "gpu" else "float32")
+  args.dtype = bench_attention.run_dtype(args.dtype, platform)
   impls = [i for i in IMPLS if platform == "gpu" or i not in GPU_ONLY]
   unit, scale = bench_attention.throughput_unit(platform)
   print("\n".join(table([], unit, scale)), flush=True)

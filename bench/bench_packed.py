@@ -136,7 +136,7 @@ def plot(data: dict, path: Path) -> None:
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--platform", choices=("cpu", "gpu"), default=None)
+  bench_attention.add_run_arguments(p, iterations=10)
   p.add_argument("--docs", type=int, default=8)
   p.add_argument("--doc-len", type=int, default=2048)
   p.add_argument("--heads", type=int, default=16)
@@ -144,16 +144,13 @@ def parse_args(argv=None):
   p.add_argument("--modes", default="fwd,fwd_bwd")
   p.add_argument("--impls", default=None, help=f"comma list of {', '.join(IMPLS)} (default: all "
                  "that run on the platform)")
-  p.add_argument("--dtype", default=None, help="default: bfloat16 on the GPU, float32 on the CPU")
-  p.add_argument("--iterations", type=int, default=10)
-  p.add_argument("--out", default=str(HERE / "out"))
   return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
   platform = bench_attention.select_platform(args.platform)
-  args.dtype = args.dtype or ("bfloat16" if platform == "gpu" else "float32")
+  args.dtype = bench_attention.run_dtype(args.dtype, platform)
   impls = (args.impls.split(",") if args.impls else
            [i for i in IMPLS if platform == "gpu" or i not in GPU_ONLY])
   unknown = set(impls) - set(IMPLS)

@@ -390,7 +390,7 @@ def plot(data: dict, path: Path) -> None:
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--platform", choices=("cpu", "gpu"), default=None)
+  bench_attention.add_run_arguments(p, iterations=5)
   p.add_argument("--devices", default="1,2", help="comma list of device counts (1 = no ring)")
   p.add_argument("--seqlens", default=None,
                  help="comma list of T = S (default: 16384..262144 on the GPU, 1024 on the CPU)")
@@ -402,8 +402,6 @@ def parse_args(argv=None):
   p.add_argument("--heads", type=int, default=16)
   p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
   p.add_argument("--head-dim", type=int, default=128)
-  p.add_argument("--dtype", default=None, help="default: bfloat16 on the GPU, float32 on the CPU")
-  p.add_argument("--iterations", type=int, default=5)
   p.add_argument("--max-seconds", type=float, default=None,
                  help="stop starting cells after this many seconds")
   p.add_argument("--simulate", action="store_true",
@@ -413,7 +411,6 @@ def parse_args(argv=None):
   p.add_argument("--profile-dir", default=None,
                  help="GPU: trace one call of each multi-device cell here and report how much "
                  "of the NCCL kernels' time overlaps the other kernels")
-  p.add_argument("--out", default=str(HERE / "out"))
   args = p.parse_args(argv)
   args.kv_heads = args.kv_heads or args.heads
   return args
@@ -424,7 +421,7 @@ def main(argv=None) -> dict:
   import jax
 
   platform = bench_attention.select_platform(args.platform)
-  args.dtype = args.dtype or ("bfloat16" if platform == "gpu" else "float32")
+  args.dtype = bench_attention.run_dtype(args.dtype, platform)
   seqlens = [int(t) for t in (args.seqlens or ("16384,32768,65536,131072,262144"
                                                if platform == "gpu" else "1024")).split(",")]
   device_counts = [int(d) for d in args.devices.split(",")]
