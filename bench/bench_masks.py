@@ -15,11 +15,14 @@ Two families of one shape (B, T = S, N, H), timed in one process:
                     segment_ids    query_segment_ids = key_value_segment_ids (jax_flash only)
                     document_mask  is_causal and the (B, 1, T, S) mask of equal ids, what
                                    flax.linen.make_attention_mask(ids, ids, jnp.equal) builds
+  learned bias family  a learned per-head bias (T5's relative positions, ALiBi):
+                    head_bias      a random (1, N, T, S) bias, not causal, differentiated in
+                                   fwd_bwd (dbias summed over the batch)
 
 Implementations are named <impl>:<way>, impl jax_flash or cudnn (GPU only). Throughput counts
 the visible work only, the same for every way of a family: 4 * B * N * T * S * H halved for
 causal, 4 * N * T * H * sum(lengths) for padding, 4 * B * N * T * doc_len * H halved for
-documents, 3.5x for fwd_bwd. Columns: `vs struct`,
+documents, 4 * B * N * T * S * H for the learned bias, 3.5x for fwd_bwd. Columns: `vs struct`,
 jax_flash's throughput over its structured way in the family (is_causal, lengths); `vs cudnn`,
 over cuDNN's same way. Every output (and gradient) is checked against the family's first row:
 `max diff`.
@@ -29,6 +32,9 @@ Timing as in bench_attention.py: CUPTI device time per call on the GPU, median o
 
   python bench/bench_masks.py                      # GPU: B 4, T 4096, N 16, H 128, bf16
   python bench/bench_masks.py --platform cpu --batch 2 --seq 512 --heads 4 --head-dim 64
+
+The causal bias is a constant (no gradient asked for); the learned bias family times the bias
+gradient, jax_flash's against cuDNN's.
 
 Writes masks_<platform>.json and masks_<platform>.png under --out (default bench/out).
 """
@@ -46,7 +52,8 @@ import bench_attention  # noqa: E402  (timing helpers shared with the main bench
 
 FAMILIES = {"causal": ("causal", "causal_mask", "causal_bias"),
             "padding": ("lengths", "padding_mask"),
-            "documents": ("segment_ids", "document_mask")}
+            "documents": ("segment_ids", "document_mask"),
+            "learned_bias": ("head_bias",)}
 # Ways an implementation does not have.
 UNSUPPORTED = {("cudnn", "segment_ids")}
 IMPLS = ("jax_flash", "cudnn")
@@ -63,6 +70,8 @@ def visible_flops(family: str, args, mode: str) -> float:
     flops = 4.0 * B * N * T * T * H * 0.5
   elif family == "documents":
     flops = 4.0 * B * N * T * args.doc_len * H * 0.5
+  elif family == "learned_bias":
+    flops = 4.0 * B * N * T * T * H
   else:
     flops = 4.0 * N * T * H * sum(lengths_of(B, T))
   return flops * (3.5 if mode == "fwd_bwd" else 1.0)
@@ -76,8 +85,8 @@ def build(impl: str, way: str, args, mode: str):
   import jax_flash
 
   B, T, N, H = args.batch, args.seq, args.heads, args.head_dim
-  keys = jax.random.split(jax.random.PRNGKey(0), 4)
-  q, k, v, dout = (jax.random.normal(key, (B, T, N, H), args.dtype) for key in keys)
+  keys = jax.random.split(jax.random.PRNGKey(0), 5)
+  q, k, v, dout = (jax.random.normal(key, (B, T, N, H), args.dtype) for key in keys[:4])
   tril = jnp.tril(jnp.ones((T, T), bool))[None, None]
   lengths = jnp.asarray(lengths_of(B, T), jnp.int32)
   ids = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) // args.doc_len, (B, T))
@@ -89,22 +98,26 @@ def build(impl: str, way: str, args, mode: str):
       "padding_mask": dict(mask=(jnp.arange(T) < lengths[:, None])[:, None, None]),
       "segment_ids": dict(is_causal=True, query_segment_ids=ids, key_value_segment_ids=ids),
       "document_mask": dict(is_causal=True, mask=(ids[:, :, None] == ids[:, None, :])[:, None]),
+      "head_bias": {},
   }[way]
+  # Differentiated operands: q, k, v and, for the learned bias, the bias.
+  primals = (q, k, v)
+  if way == "head_bias":
+    primals += (jax.random.normal(keys[4], (1, N, T, T), args.dtype),)
   if impl == "jax_flash":
-    attention = lambda q, k, v: jax_flash.dot_product_attention(q, k, v, **options)
+    attention = lambda *p: jax_flash.dot_product_attention(*p, **options)
   elif impl == "cudnn":
-    attention = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn",
-                                                            **options)
+    attention = lambda *p: jax.nn.dot_product_attention(*p, implementation="cudnn", **options)
   else:
     raise ValueError(f"unknown implementation {impl!r}")
   if mode == "fwd":
-    return jax.jit(attention), (q, k, v)
+    return jax.jit(attention), primals
 
-  def fwd_bwd(q, k, v, dout):
-    out, vjp = jax.vjp(attention, q, k, v)
+  def fwd_bwd(dout, *primals):
+    out, vjp = jax.vjp(attention, *primals)
     return (out, *vjp(dout))
 
-  return jax.jit(fwd_bwd), (q, k, v, dout)
+  return jax.jit(fwd_bwd), (dout, *primals)
 
 
 def run_cell(impl: str, family: str, way: str, mode: str, args, platform: str,
@@ -183,7 +196,7 @@ def main(argv=None) -> dict:
         if row["mode"] != mode or row["family"] != family or row.get("error"):
           continue
         if row["impl"] == "jax_flash":
-          if ("jax_flash", ways[0]) in throughput:
+          if len(ways) > 1 and ("jax_flash", ways[0]) in throughput:
             row["vs_structured"] = row["flops_per_s"] / throughput["jax_flash", ways[0]]
           if ("cudnn", row["way"]) in throughput:
             row["vs_cudnn"] = row["flops_per_s"] / throughput["cudnn", row["way"]]

@@ -59,9 +59,11 @@ nb::dict BuildInfo() {
 
 #if defined(JAX_FLASH_WITH_CUDA)
 //! Bytes of the workspace result the Hopper backward takes for a problem of these sizes (query
-//! rows, query heads, head dim over `batch` items).
+//! rows, query heads, head dim over `batch` items) and a bias gradient of `dbias_elements`
+//! elements (0: none).
 int64_t BackwardWorkspaceBytes(int64_t batch, int64_t seqlen_q, int64_t num_heads,
-                               int64_t head_dim, bool bfloat16, bool deterministic) {
+                               int64_t head_dim, bool bfloat16, bool deterministic,
+                               int64_t dbias_elements) {
   jax_flash::BackwardParams params;
   jax_flash::AttentionShape& shape = params.fwd.shape;
   shape.batch.rank = 1;
@@ -74,7 +76,8 @@ int64_t BackwardWorkspaceBytes(int64_t batch, int64_t seqlen_q, int64_t num_head
   shape.dtype = bfloat16 ? jax_flash::ElementType::kBFloat16 : jax_flash::ElementType::kFloat16;
   params.deterministic = deterministic;
   jax_flash::sm90::BackwardWorkspaceLayout layout;
-  const jax_flash::Status status = jax_flash::sm90::GetBackwardWorkspaceLayout(params, &layout);
+  const jax_flash::Status status =
+      jax_flash::sm90::GetBackwardWorkspaceLayout(params, dbias_elements, &layout);
   if (!status.ok()) throw nb::value_error(status.message().c_str());
   return layout.bytes;
 }
@@ -90,7 +93,7 @@ NB_MODULE(_jax_flash_ext, m) {
 #if defined(JAX_FLASH_WITH_CUDA)
   m.def("backward_workspace_bytes", &BackwardWorkspaceBytes, nb::arg("batch"),
         nb::arg("seqlen_q"), nb::arg("num_heads"), nb::arg("head_dim"), nb::arg("bfloat16"),
-        nb::arg("deterministic"),
+        nb::arg("deterministic"), nb::arg("dbias_elements"),
         "Bytes of the Hopper backward's workspace result for these sizes.");
 #endif
 }

@@ -305,8 +305,9 @@ def _backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_
     result_types.append(jax.ShapeDtypeStruct(batch[:-1] + bias.shape[rank - 1:], bias.dtype))
   if gpu_workspace:
     T, N, H = q.shape[rank:]
-    nbytes = _extension.backward_workspace_bytes(math.prod(batch), T, N, H, q.dtype,
-                                                 config.deterministic)
+    nbytes = _extension.backward_workspace_bytes(
+        math.prod(batch), T, N, H, q.dtype, config.deterministic,
+        dbias_elements=math.prod(result_types[3].shape) if bias_gradient else 0)
     result_types.append(jax.ShapeDtypeStruct((nbytes,), np.uint8))
   call = jax.ffi.ffi_call(_extension.BACKWARD_TARGET, tuple(result_types),
                           vmap_method="expand_dims")
@@ -451,16 +452,30 @@ def _forward_impl(spec: _sharding.CallSpec, q, k, v, bias, mask, q_len, kv_len, 
 _KERNEL_BIAS_LSE_LIMIT = 2.0 ** 12
 
 
+def _bias_gradient_sums(out, k, bias) -> bool:
+  """Whether dbias sums over some axis of the problem: the bias broadcasts over the batch
+  axis of jax.nn's B (dbias is full on the axes vmap adds), the heads, the queries or the
+  keys."""
+  B, T, N = out.shape[-4:-1]
+  return any(own == 1 and extent > 1
+             for own, extent in zip(bias.shape[-4:], (B, N, T, k.shape[-3])))
+
+
 def _gpu_backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg,
                        kv_seg, *, bias_gradient):
   """The Hopper backward; with a bias, the blockwise one where some |lse| reaches
-  _KERNEL_BIAS_LSE_LIMIT (decided on the device, once per call)."""
+  _KERNEL_BIAS_LSE_LIMIT (decided on the device, once per call), and where a deterministic
+  backward's bias gradient sums over an axis (the kernels add into it atomically from many
+  CTAs, in no fixed order)."""
   operands = (q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg, kv_seg)
   kernel = functools.partial(_backward_call, config, bias_gradient=bias_gradient,
                              gpu_workspace=True)
+  blockwise = functools.partial(_blockwise_backward, config, bias_gradient=bias_gradient)
+  if (bias is not None and bias_gradient and config.deterministic and
+      _bias_gradient_sums(out, k, bias)):
+    return blockwise(*operands)
   if bias is None or math.isinf(_KERNEL_BIAS_LSE_LIMIT):
     return kernel(*operands)
-  blockwise = functools.partial(_blockwise_backward, config, bias_gradient=bias_gradient)
   return lax.cond(_blockwise.needs_renormalization(lse, _KERNEL_BIAS_LSE_LIMIT),
                   lambda ops: tuple(blockwise(*ops)), lambda ops: tuple(kernel(*ops)), operands)
 

@@ -60,7 +60,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       inputs).
     deterministic: whether the gradients must be bit-identical from run to run. The Hopper
       backward adds the dQ partial sums of its key blocks in whatever order they finish unless
-      this is True, which orders them (somewhat slower); the CPU kernels are always
+      this is True, which orders them (somewhat slower; the gradient of a bias that
+      broadcasts over an axis then takes the blockwise backward); the CPU kernels are always
       deterministic. ``None`` follows XLA's ``--xla_gpu_deterministic_ops`` flag in
       ``XLA_FLAGS`` (off by default). Not part of ``jax.nn.dot_product_attention``.
     logits_soft_cap: logit soft-capping (Gemma 2): a static positive number ``cap`` replaces

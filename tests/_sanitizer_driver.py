@@ -14,14 +14,16 @@ on each head dim's default tile: empty, full and partial blocks, per head with g
 and under the ordered dQ reduction, which visits the empty ones) and bias arrays (their own
 instantiations on the default tiles: per head and batch item with grouped heads and odd key
 counts, read element by element; broadcast over queries, read in pairs; patches of the lowest
-value and -inf, whose blocks are skipped, under the ordered dQ reduction, which visits them).
+value and -inf, whose blocks are skipped, under the ordered dQ reduction, which visits them;
+their gradient, element by element and summed over the queries).
 A head dim with several forward tiles runs its causal, segment-id and few-row cases (decoding
 among them) on the tile that prefers them (kernel_configs.json) and the others on its default.
-Each case also runs the gradients (the backward's three kernels). Every output and gradient is checked to be
-finite, so a kernel that reads garbage fails here too. The backward with a bias runs on the
-kernels alone, without its hand-over to the blockwise backward for huge log-sum-exps
-(_primitive._KERNEL_BIAS_LSE_LIMIT): compute-sanitizer crashes on start-up in processes whose
-programs hold that blockwise backward (XLA's loops and conditionals, not jax_flash kernels).
+Each case also runs the gradients (the backward's kernels). Every output and gradient is
+checked to be finite, so a kernel that reads garbage fails here too. The backward with a bias
+runs on the kernels alone, without its hand-over to the blockwise backward for huge
+log-sum-exps (_primitive._KERNEL_BIAS_LSE_LIMIT): compute-sanitizer crashes on start-up in
+processes whose programs hold that blockwise backward (XLA's loops and conditionals, not
+jax_flash kernels).
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def run(H, dtype, is_causal, window, lengths, B=3, T=167, S=201, N=4, K=2, deter
     keep = np.where(kind == 2, rng.random((B, N, T, S)) < 0.5, kind == 1)
     keep[..., ::7, :] = False
     kwargs.update(mask=jnp.asarray(keep))
-  if bias is not None:  # a constant of the gradients: the kernels read it, dbias is not wanted
+  if bias is not None:  # differentiated: the backward computes dbias
     spec = "BNTS" if bias == "lowest" else bias
     shape = tuple({"B": B, "N": N, "T": T, "S": S, "1": 1}[c] for c in spec)
     values = rng.standard_normal(shape, np.float32) * 3
@@ -122,22 +124,23 @@ def run(H, dtype, is_causal, window, lengths, B=3, T=167, S=201, N=4, K=2, deter
       kind[..., :16] = 2
       values = np.where(kind == 0, float(jnp.finfo(dtype).min),
                         np.where(kind == 1, -np.inf, values))
-    kwargs.update(bias=jnp.asarray(values, dtype))
+  primals = (q, k, v) + (() if bias is None else (jnp.asarray(values, dtype),))
   dout = jnp.asarray(rng.standard_normal((B, T, N, H), np.float32), dtype)
 
-  def loss(q, k, v):
-    out, lse = jax_flash.dot_product_attention(q, k, v, return_residual=True,
+  def loss(q, k, v, bias=None):
+    out, lse = jax_flash.dot_product_attention(q, k, v, bias, return_residual=True,
                                                deterministic=deterministic, **kwargs)
     live = jnp.isfinite(lse)
     return (jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)) +
             jnp.sum(jnp.where(live, lse, 0.0))), out
 
   if grads:
-    (_, out), results = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    argnums = tuple(range(len(primals)))
+    (_, out), results = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(*primals)
   else:
-    _, out = jax.jit(loss)(q, k, v)
+    _, out = jax.jit(loss)(*primals)
     results = ()
-  for name, x in zip(("output", "dq", "dk", "dv"), (out, *results)):
+  for name, x in zip(("output", "dq", "dk", "dv", "dbias"), (out, *results)):
     if not np.isfinite(np.asarray(x.astype(jnp.float32))).all():
       raise AssertionError(f"non-finite {name} for H={H} {dtype} causal={is_causal} "
                            f"window={window} lengths={lengths} softcap={softcap} "

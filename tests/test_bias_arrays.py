@@ -1,8 +1,9 @@
 """Bias arrays on the Hopper kernels: the routing of bias calls (a bias of the inputs' dtype
-runs on the kernels, forward and backward; a bias whose gradient is wanted, or of another
-dtype, takes the blockwise backward), the custom VJP's knowledge of whether the bias is
-differentiated, and forward and gradients against the float64 definition (tests/_reference.py)
-under the criterion of tests/_tolerances.py, for every broadcast of the bias.
+runs on the kernels, forward and backward, its gradient included; a bias of another dtype, or
+a deterministic backward whose bias gradient sums over an axis, takes the blockwise path), the
+custom VJP's knowledge of whether the bias is differentiated, and forward and gradients (dbias
+included) against the float64 definition (tests/_reference.py) under the criterion of
+tests/_tolerances.py, for every broadcast of the bias.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ def _config_of(**options):
 
 
 def test_gpu_routing_of_bias_arrays():
-  """A bias of the inputs' dtype runs on both Hopper kernels (they list "bias") unless its
-  gradient is wanted (no kernel lists "bias_gradient"); a bias of another dtype, or with
+  """A bias of the inputs' dtype runs on both Hopper kernels (they list "bias"), and the
+  backward computes its gradient (it lists "bias_gradient"); a bias of another dtype, or with
   another feature (bias is taken alone), runs blockwise."""
   q = jnp.zeros((1, 4, 2, 8), jnp.bfloat16)
   route = functools.partial(_primitive._on_gpu_kernel, kernel_call="kernel",
@@ -40,12 +41,26 @@ def test_gpu_routing_of_bias_arrays():
   bias = jnp.zeros((1, 1, 4, 4), jnp.bfloat16)
   for kernel in (_config.SM90_FORWARD, _config.SM90_BACKWARD):
     assert {"bias"} <= kernel.features and "bias" in kernel.alone
-    assert "bias_gradient" not in kernel.features
     assert route(kernel, config=plain, bias=bias) == "kernel"
     assert route(kernel, config=plain, bias=bias.astype(jnp.float32)) == "blockwise"
     assert route(kernel, config=capped, bias=bias) == "blockwise"
     assert route(kernel, config=plain, bias=bias, mask=bias > 0) == "blockwise"
-  assert route(_config.SM90_BACKWARD, config=plain, bias=bias, bias_gradient=True) == "blockwise"
+  assert "bias_gradient" not in _config.SM90_FORWARD.features
+  assert "bias_gradient" in _config.SM90_BACKWARD.features
+  assert route(_config.SM90_BACKWARD, config=plain, bias=bias, bias_gradient=True) == "kernel"
+
+
+@pytest.mark.parametrize("bias_shape,sums", [
+    ((2, 4, 100, 300), False), ((1, 4, 100, 300), True), ((2, 1, 100, 300), True),
+    ((2, 4, 1, 300), True), ((2, 4, 100, 1), True), ((3, 2, 4, 100, 300), False)], ids=str)
+def test_bias_gradient_sums(bias_shape, sums):
+  """Which bias gradients sum over an axis of a (B=2, N=4, T=100, S=300) problem (a
+  deterministic backward sends those to the blockwise path): a bias broadcast over B, heads,
+  queries or keys; not over the axes vmap adds (dbias is full there)."""
+  lead = bias_shape[:-4]
+  out = jnp.zeros((*lead, 2, 100, 4, 8))
+  k = jnp.zeros((*lead, 2, 300, 2, 8))
+  assert _primitive._bias_gradient_sums(out, k, jnp.zeros(bias_shape)) == sums
 
 
 def _backward_attributes(text: str) -> list[str]:
@@ -133,12 +148,13 @@ GPU_BIAS_SPECS = ("11TS", "B1TS", "1NTS", "BNTS", "B11S", "BNT1")
                [pytest.param("gpu", H, spec, marks=pytest.mark.gpu, id=f"gpu-{H}-{spec}")
                 for H in _config.GPU_HEAD_DIMS for spec in GPU_BIAS_SPECS])
 def test_gpu_bias_arrays(platform, H, spec):
-  """Forward and the gradients of q, k, v (also through the log-sum-exp) with a constant bias,
-  on the Hopper kernels, every GPU dtype; grouped key/value heads, sizes that do not divide the
-  tiles, causal."""
+  """Forward, the gradients of q, k, v and the bias (summed over its broadcast axes), and
+  those of q, k, v of a constant bias through the log-sum-exp, on the Hopper kernels, every
+  GPU dtype; grouped key/value heads, sizes that do not divide the tiles, causal."""
   for dtype in _config.GPU_DTYPES:
     case = Case(B=2, T=333, S=461, N=4, K=2, H=H, dtype=dtype.name, bias=spec, is_causal=True)
     check_forward(case, platform)
+    check_gradients(case, platform)
     check_gradients(case, platform, through_lse=True, bias_gradient=False)
 
 
@@ -153,7 +169,7 @@ def test_gpu_bias_dropping_blocks(platform, H):
     inp.bias = _lowest_patches(np.random.default_rng(H), inp.bias.shape, inp.bias.dtype,
                                patch=64)
     check_forward(case, platform, inp=inp)
-    check_gradients(case, platform, inp=inp, through_lse=True, bias_gradient=False)
+    check_gradients(case, platform, inp=inp, through_lse=True)
 
 
 @pytest.mark.parametrize("platform", [GPU], indirect=True)
@@ -164,29 +180,40 @@ def test_gpu_bias_with_window_lengths_and_extremes(platform, S):
   case = Case(B=2, T=300, S=S, N=4, K=1, H=128, dtype=_config.GPU_DTYPES[0].name, bias="BNTS",
               extreme_bias=True, window=(250, 40), q_lens=(300, 131), kv_lens=(S - 20, S))
   check_forward(case, platform)
-  check_gradients(case, platform, bias_gradient=False)
+  check_gradients(case, platform)
 
 
 @pytest.mark.parametrize("platform", [GPU], indirect=True)
-def test_gpu_differentiated_bias_runs_kernel_forward_and_blockwise_backward(platform):
-  """With dbias wanted the forward stays on the kernel and the backward goes blockwise; the
-  gradients (dbias summed over the broadcast batch) match the definition."""
-  case = Case(B=2, T=200, S=300, N=4, K=2, H=64, dtype=_config.GPU_DTYPES[0].name, bias="1NTS",
-              is_causal=True)
-  check_gradients(case, platform)
-  inp = make_inputs(case)
+def test_gpu_bias_gradient_routing_and_determinism(platform):
+  """A differentiated bias runs both kernels; a deterministic backward keeps a bias gradient
+  that sums over no axis on the kernel, bit-identical from run to run, and sends one that sums
+  over an axis (1NTS: over the batch) to the blockwise path. The gradients' values are
+  test_gpu_bias_arrays' (BNTS)."""
+  dtype = _config.GPU_DTYPES[0].name
+  full = Case(B=2, T=200, S=300, N=4, K=2, H=64, dtype=dtype, bias="BNTS", is_causal=True)
+  inp = make_inputs(full)
   q, k, v, bias = (jnp.asarray(x) for x in (inp.q, inp.k, inp.v, inp.bias))
 
-  def hlo(argnums):
+  def grad(bias, argnums, **options):
     def loss(q, k, v, bias):
-      out = jax_flash.dot_product_attention(q, k, v, bias, is_causal=True)
-      return jnp.sum(out.astype(jnp.float32))
-    return jax.jit(jax.grad(loss, argnums=argnums)).lower(q, k, v, bias).compile().as_text()
+      out = jax_flash.dot_product_attention(q, k, v, bias, is_causal=True, **options)
+      return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.shape[1]))[:, None, None])
+    return jax.jit(jax.grad(loss, argnums=argnums))
 
-  constant = hlo((0, 1, 2))
-  assert "jax_flash_fwd" in constant and "jax_flash_bwd" in constant
-  differentiated = hlo((0, 1, 2, 3))
-  assert "jax_flash_fwd" in differentiated and "jax_flash_bwd" not in differentiated
+  def compiled(bias, argnums=(0, 1, 2, 3), **options):
+    return grad(bias, argnums, **options).lower(q, k, v, bias).compile().as_text()
+
+  for text in (compiled(bias, (0, 1, 2)), compiled(bias), compiled(bias[:1]),
+               compiled(bias, deterministic=True)):
+    assert "jax_flash_fwd" in text and "jax_flash_bwd" in text
+  assert "jax_flash_bwd" not in compiled(bias[:1], deterministic=True)
+  ordered = grad(bias, (0, 1, 2, 3), deterministic=True)
+  first, second = ordered(q, k, v, bias), ordered(q, k, v, bias)
+  for a, b in zip(first, second):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # Each element of a dbias that sums over nothing receives one addition in either mode.
+  unordered = grad(bias, (0, 1, 2, 3))(q, k, v, bias)
+  np.testing.assert_array_equal(np.asarray(first[3]), np.asarray(unordered[3]))
 
 
 @pytest.mark.parametrize("platform", [GPU], indirect=True)
@@ -214,7 +241,8 @@ def test_gpu_vmap_over_biases_only(platform):
 @pytest.mark.parametrize("platform", [GPU], indirect=True)
 def test_gpu_bias_handler_checks(platform):
   """The CUDA handlers refuse a bias of another dtype, a bias without its block classes or with
-  classes of another tile, and a dbias they do not compute."""
+  classes of another tile, a workspace without room for dbias, and a deterministic dbias that
+  sums over an axis."""
   from jax_flash import _extension
   _extension.ensure_registered()
   dtype = _config.GPU_DTYPES[0]
@@ -236,14 +264,22 @@ def test_gpu_bias_handler_checks(platform):
     with pytest.raises(jax.errors.JaxRuntimeError, match=message):
       jax.block_until_ready(forward(q, q, q, *operands, **dict(attrs, **overrides)))
   lse = jnp.zeros((1, 2, 128), jnp.float32)
-  workspace = _extension.backward_workspace_bytes(1, 128, 2, 64, dtype, False)
-  backward = jax.ffi.ffi_call(
-      _extension.BACKWARD_TARGET,
-      tuple(jax.ShapeDtypeStruct(q.shape, dtype) for _ in range(3)) +
-      (jax.ShapeDtypeStruct(bias.shape, dtype), jax.ShapeDtypeStruct((workspace,), np.uint8)))
-  with pytest.raises(jax.errors.JaxRuntimeError, match="no bias gradient"):
-    jax.block_until_ready(backward(q, q, q, q, lse, q, lse, bias, blocks,
-                                   **dict(attrs, has_dbias=True)))
+
+  def backward(deterministic, dbias_elements):
+    workspace = _extension.backward_workspace_bytes(1, 128, 2, 64, dtype, deterministic,
+                                                    dbias_elements=dbias_elements)
+    call = jax.ffi.ffi_call(
+        _extension.BACKWARD_TARGET,
+        tuple(jax.ShapeDtypeStruct(q.shape, dtype) for _ in range(3)) +
+        (jax.ShapeDtypeStruct(bias.shape, dtype), jax.ShapeDtypeStruct((workspace,), np.uint8)))
+    return jax.block_until_ready(call(q, q, q, q, lse, q, lse, bias, blocks,
+                                      **dict(attrs, has_dbias=True, deterministic=deterministic)))
+
+  backward(False, bias.size)
+  with pytest.raises(jax.errors.JaxRuntimeError, match="workspace has"):
+    backward(False, 0)
+  with pytest.raises(jax.errors.JaxRuntimeError, match="broadcasts over no axis"):
+    backward(True, bias.size)
 
 
 def test_bias_cases_are_not_trivial():

@@ -64,6 +64,17 @@ JF_HOST_DEVICE int64_t map_batch(const BatchShape& shape, const BatchMap& map, i
   return own;
 }
 
+//! Number of distinct batch items an operand holds (it may broadcast some batch axes).
+inline int64_t own_batch_items(const BatchShape& shape, const BatchMap& map) {
+  int64_t items = 1;
+  for (int32_t i = 0; i < shape.rank; ++i) {
+    if (map.stride[i] != 0 && map.stride[i] * shape.extent[i] > items) {
+      items = map.stride[i] * shape.extent[i];
+    }
+  }
+  return items;
+}
+
 //! One operand or result. `stride` covers the operand's own non-batch axes in the order of
 //! the layout table above (e.g. {T, N, H} for q); a stride of 0 broadcasts that axis.
 struct Operand {

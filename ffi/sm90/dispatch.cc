@@ -95,6 +95,11 @@ Status CheckProblem(const ForwardParams& p, const char* pass, bool takes_bias, b
 
 Status CheckBackward(const BackwardParams& p) {
   const ForwardParams& f = p.fwd;
+  if (p.dbias.present() && !kBackwardTakesBiasGradient) {
+    return Status::InvalidArgument("jax_flash: the Hopper backward computes no bias gradient "
+                                   "(jax_flash routes calls that need dbias to its blockwise "
+                                   "path)");
+  }
   return CheckProblem(f, "backward", kBackwardTakesBias, kBackwardTakesMask,
                       kBackwardTakesSegmentIds, kBackwardMaxHeadDim,
                       {&f.q, &f.k, &f.v, &f.out, &p.dout, &p.dq, &p.dk, &p.dv});
@@ -129,7 +134,8 @@ Status RunBackwardForDtype(const BackwardParams& p, const BackwardWorkspaceLayou
 int64_t RoundUp256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
 BackwardWorkspaceLayout MakeBackwardLayout(const AttentionShape& s, int64_t block_m,
-                                           int64_t tile_head_dim, bool deterministic) {
+                                           int64_t tile_head_dim, bool deterministic,
+                                           int64_t dbias_elements) {
   BackwardWorkspaceLayout layout;
   const int64_t query_blocks = s.batch.count() * s.num_heads * ((s.seqlen_q + block_m - 1) / block_m);
   int64_t offset = 0;
@@ -143,6 +149,10 @@ BackwardWorkspaceLayout MakeBackwardLayout(const AttentionShape& s, int64_t bloc
   offset += RoundUp256(query_blocks * block_m * int64_t(sizeof(float)));
   layout.row_term = offset;
   offset += RoundUp256(query_blocks * block_m * int64_t(sizeof(float)));
+  if (dbias_elements > 0) {
+    layout.dbias_accum = offset;
+    offset += RoundUp256(dbias_elements * int64_t(sizeof(float)));
+  }
   layout.bytes = offset;
   return layout;
 }
@@ -177,13 +187,18 @@ Status RunForward(const ForwardParams& params, const LaunchContext& context) {
 }
 
 Status GetBackwardWorkspaceLayout(const BackwardParams& params, BackwardWorkspaceLayout* layout) {
+  return GetBackwardWorkspaceLayout(params, bias_gradient_elements(params), layout);
+}
+
+Status GetBackwardWorkspaceLayout(const BackwardParams& params, int64_t dbias_elements,
+                                  BackwardWorkspaceLayout* layout) {
   Status status = CheckBackward(params);
   if (!status.ok()) return status;
   const AttentionShape& s = params.fwd.shape;
-#define JAX_FLASH_TRY_TILE(HEAD_DIM, BLOCK_M)                                     \
-  if (s.head_dim <= HEAD_DIM) {                                                   \
-    *layout = MakeBackwardLayout(s, BLOCK_M, HEAD_DIM, params.deterministic);     \
-    return Status::Ok();                                                          \
+#define JAX_FLASH_TRY_TILE(HEAD_DIM, BLOCK_M)                                                   \
+  if (s.head_dim <= HEAD_DIM) {                                                                 \
+    *layout = MakeBackwardLayout(s, BLOCK_M, HEAD_DIM, params.deterministic, dbias_elements);   \
+    return Status::Ok();                                                                        \
   }
   JAX_FLASH_SM90_BACKWARD_TILES(JAX_FLASH_TRY_TILE)
 #undef JAX_FLASH_TRY_TILE

@@ -2,7 +2,8 @@
     \brief The backward's last kernel: per (query block, head, batch), reads the fp32 dQ partial
            sums back in the accumulator layout the main kernel's warpgroups wrote them in,
            scales, rounds to the input type and stores dQ through shared memory with one TMA
-           store (which clips rows past the sequence and columns past the head dim).
+           store (which clips rows past the sequence and columns past the head dim); and the
+           bias gradient's conversion from its float32 accumulator.
 */
 #pragma once
 
@@ -108,6 +109,27 @@ __global__ void __launch_bounds__(BackwardPostprocess<Traits>::kNumThreads)
     copy(params.tma_store_dq, tma.partition_S(sDq), tma.partition_D(gDq));
     tma_store_arrive();
     tma_store_wait<0>();
+  }
+}
+
+//! Threads per CTA of the bias gradient's conversion.
+inline constexpr int kBiasGradientConvertThreads = 256;
+
+template <class Element>
+struct BiasGradientConvertParams {
+  const float* accum;  //!< see BiasGradient
+  Element* dbias;      //!< laid out like the accumulator
+  int64_t count;       //!< elements of both
+};
+
+//! The bias gradient's conversion: rounds the float32 accumulator into the dbias result,
+//! element by element.
+template <class Element>
+__global__ void __launch_bounds__(kBiasGradientConvertThreads)
+    bias_gradient_convert_kernel(CUTE_GRID_CONSTANT BiasGradientConvertParams<Element> const p) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.count; i += stride) {
+    p.dbias[i] = Element(p.accum[i]);
   }
 }
 

@@ -40,7 +40,7 @@ struct BackwardKernelTraits {
   //! A mask array: its block classes narrow the blocks visited and skip the empty ones, its
   //! elements mask the partial ones.
   static constexpr bool kMask = kMask_;
-  //! A bias array, added to every block's logits (no bias gradient: dbias is not computed).
+  //! A bias array, added to every block's logits; its gradient is computed when wanted.
   static constexpr bool kBias = kBias_;
   //! Block classes (of the mask, or where the bias drops whole blocks) narrow the blocks
   //! visited and skip the empty ones.

@@ -25,14 +25,25 @@ struct LaunchContext {
 
 //! Byte offsets of the backward's workspace regions in one allocation: the fp32 dQ accumulator
 //! and, for a deterministic backward, the counters that order its additions (both cleared by
-//! the backward's first kernel), then its per-row statistics.
+//! the backward's first kernel), then its per-row statistics and the bias gradient's
+//! accumulator.
 struct BackwardWorkspaceLayout {
   int64_t dq_accum = 0;       //!< (batch, heads, query blocks, block_m * tile head dim) fp32
   int64_t dq_semaphore = -1;  //!< (batch, heads, query blocks) int32; -1 when not deterministic
   int64_t lse_log2 = 0;       //!< (batch, heads, query blocks * block_m) fp32
   int64_t row_term = 0;       //!< same shape
+  //! float32, laid out like the dbias result; -1 without a bias gradient. Cleared before the
+  //! main kernel.
+  int64_t dbias_accum = -1;
   int64_t bytes = 0;
 };
+
+//! Elements of the dbias result (and of its float32 accumulator); 0 when it is not wanted.
+inline int64_t bias_gradient_elements(const BackwardParams& params) {
+  const Operand& dbias = params.dbias;
+  if (!dbias.present()) return 0;
+  return own_batch_items(params.fwd.shape.batch, dbias.batch) * dbias.batch_stride;
+}
 
 //! Whether the compiled forward tile (head_dim, block_m) states no preference: its head dim's
 //! default (kernel_configs.json).
@@ -52,8 +63,12 @@ constexpr bool is_default_forward_tile(int head_dim, int block_m) {
 //! dim, alignment) and reports CUDA errors.
 Status RunForward(const ForwardParams& params, const LaunchContext& context);
 
-//! The workspace layout of the backward of `shape` (zero bytes where it has nothing to do).
-//! Fails like RunBackward for problems the Hopper backward does not take.
+//! The workspace layout of the backward of `params` (zero bytes where it has nothing to do),
+//! with room for a bias gradient of `dbias_elements` elements (0: none wanted). Fails like
+//! RunBackward for problems the Hopper backward does not take.
+Status GetBackwardWorkspaceLayout(const BackwardParams& params, int64_t dbias_elements,
+                                  BackwardWorkspaceLayout* layout);
+//! The same, for the bias gradient that params.dbias describes.
 Status GetBackwardWorkspaceLayout(const BackwardParams& params, BackwardWorkspaceLayout* layout);
 
 //! Runs the backward (preprocess, main kernel, dQ convert) on the smallest compiled tile whose

@@ -1,8 +1,8 @@
 /*! \file launch_bwd.cuh
-    \brief Definition of RunBackwardTile: carves the workspace and launches the three backward
-           kernels (row terms with the clearing of the dQ accumulator, main, dQ convert) with
-           the collectives' arguments for one compiled tile. Included only by the generated
-           instantiation units.
+    \brief Definition of RunBackwardTile: carves the workspace and launches the backward
+           kernels (row terms with the clearing of the dQ accumulator, main, dQ convert and,
+           for a bias gradient, its convert) with the collectives' arguments for one compiled
+           tile. Included only by the generated instantiation units.
 */
 #pragma once
 
@@ -29,6 +29,30 @@ inline int preprocess_lanes_log2(int64_t head_dim) {
   return log2;
 }
 
+//! Checks a wanted bias gradient: room for its accumulator in the workspace and, in a
+//! deterministic backward, no axis it sums over (additions from several CTAs into one element
+//! would land in any order).
+inline Status check_bias_gradient(const BackwardParams& p, const BackwardWorkspaceLayout& layout) {
+  if (!p.dbias.present()) return Status::Ok();
+  if (layout.dbias_accum < 0) {
+    return Status::Internal("jax_flash: the backward workspace holds no bias gradient");
+  }
+  if (!p.deterministic) return Status::Ok();
+  const AttentionShape& s = p.fwd.shape;
+  bool sums = (p.dbias.extent[0] == 1 && s.num_heads > 1) ||
+              (p.dbias.extent[1] == 1 && s.seqlen_q > 1) ||
+              (p.dbias.extent[2] == 1 && s.seqlen_k > 1);
+  for (int i = 0; i < s.batch.rank; ++i) {
+    sums = sums || (p.dbias.batch.stride[i] == 0 && s.batch.extent[i] > 1);
+  }
+  if (sums) {
+    return Status::InvalidArgument(
+        "jax_flash: the deterministic Hopper backward computes the gradient of a bias that "
+        "broadcasts over no axis only (jax_flash routes the others to its blockwise path)");
+  }
+  return Status::Ok();
+}
+
 template <class Traits>
 Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& layout,
                        void* workspace, const LaunchContext& context) {
@@ -50,7 +74,8 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
   typename Kernel::Params kp;
   Status status = check_mask_operands(f, Traits::kBlockM, Traits::kBlockN,
                                       /*rows_are_keys=*/true);
-  if (status.ok()) status = check_bias_operands(f, Traits::kBlockM, Traits::kBlockN, &p.dbias);
+  if (status.ok()) status = check_bias_operands(f, Traits::kBlockM, Traits::kBlockN);
+  if (status.ok()) status = check_bias_gradient(p, layout);
   if (!status.ok()) return status;
   kp.problem = make_problem(f);
   typename Kernel::Mainloop::Arguments mainloop;
@@ -61,13 +86,13 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
                  {&f.q.batch, &f.k.batch, &f.v.batch, &p.dout.batch, &f.out.batch, &f.lse.batch,
                   &p.dlse.batch, &f.q_seqlens.batch, &f.kv_seqlens.batch,
                   &f.q_segment_ids.batch, &f.kv_segment_ids.batch, &f.q_span.batch,
-                  &f.mask_bits.batch, &block_classes(f).batch, &f.bias.batch},
+                  &f.mask_bits.batch, &block_classes(f).batch, &f.bias.batch, &p.dbias.batch},
                  &kp.problem.batch,
                  {&mainloop.q_batch, &mainloop.k_batch, &mainloop.v_batch, &mainloop.dout_batch,
                   &pre.out_batch, &pre.lse_batch, &pre.dlse_batch, &kp.problem.q_seqlens_batch,
                   &kp.problem.kv_seqlens_batch, &segments.q_ids.batch, &segments.kv_ids.batch,
                   &segments.q_span.batch, &mask.batch, &mask.blocks_batch,
-                  &kp.problem.bias.batch});
+                  &kp.problem.bias.batch, &mainloop.dbias.batch});
   segments.backward_skips_blocks = !p.deterministic;
   mask.skip_empty_blocks = !p.deterministic;
   pre.dout_batch = mainloop.dout_batch;
@@ -78,6 +103,21 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
   float* row_term = reinterpret_cast<float*>(base + layout.row_term);
   int* dq_semaphore = layout.dq_semaphore < 0 ? nullptr
                                               : reinterpret_cast<int*>(base + layout.dq_semaphore);
+  const int64_t dbias_count = bias_gradient_elements(p);
+  if (dbias_count > 0) {
+    BiasGradient& dbias = mainloop.dbias;
+    dbias.data = reinterpret_cast<float*>(base + layout.dbias_accum);
+    dbias.item_stride = p.dbias.batch_stride;
+    dbias.head_stride = p.dbias.stride[0];
+    dbias.row_stride = p.dbias.stride[1];
+    dbias.col_stride = p.dbias.stride[2];
+    const cudaError_t err = cudaMemsetAsync(dbias.data, 0, dbias_count * sizeof(float),
+                                            context.stream);
+    if (err != cudaSuccess) {
+      return Status::Internal(std::string("jax_flash: clearing the bias gradient failed: ") +
+                              cudaGetErrorString(err));
+    }
+  }
 
   // Row terms and base-2 log-sum-exp; clears the dQ accumulator and counters.
   pre.out = static_cast<const Element*>(f.out.data);
@@ -160,10 +200,21 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
   post.num_m_blocks = int32_t(num_m_blocks);
   post.num_heads = int32_t(s.num_heads);
   post.scale = kernel_scale(f);
-  return launch_kernel(backward_postprocess_kernel<Traits>,
-                       int(batch_count * s.num_heads * num_m_blocks), Postprocess::kNumThreads,
-                       Postprocess::kSharedStorageBytes, Postprocess::to_params(post), context,
-                       "backward dQ convert");
+  status = launch_kernel(backward_postprocess_kernel<Traits>,
+                         int(batch_count * s.num_heads * num_m_blocks), Postprocess::kNumThreads,
+                         Postprocess::kSharedStorageBytes, Postprocess::to_params(post), context,
+                         "backward dQ convert");
+  if (!status.ok() || dbias_count == 0) return status;
+
+  // dbias: round the accumulator into the result (a few waves of CTAs stride over it).
+  const BiasGradientConvertParams<Element> convert{mainloop.dbias.data,
+                                                   static_cast<Element*>(p.dbias.data),
+                                                   dbias_count};
+  const int64_t convert_ctas = std::min<int64_t>(
+      (dbias_count + kBiasGradientConvertThreads - 1) / kBiasGradientConvertThreads,
+      8 * int64_t(context.sm_count));
+  return launch_kernel(bias_gradient_convert_kernel<Element>, int(convert_ctas),
+                       kBiasGradientConvertThreads, 0, convert, context, "bias gradient convert");
 }
 
 template <ElementType kDtype, int kTileHeadDim>

@@ -22,15 +22,6 @@
 
 namespace jax_flash::sm90 {
 
-//! Number of distinct batch items an operand holds (it may broadcast some batch axes).
-inline int64_t own_batch_items(const BatchShape& shape, const BatchMap& map) {
-  int64_t items = 1;
-  for (int i = 0; i < shape.rank; ++i) {
-    if (map.stride[i] != 0) items = std::max(items, map.stride[i] * shape.extent[i]);
-  }
-  return items;
-}
-
 //! Coalesces the problem's batch axes for the device: drops extent-1 axes and merges adjacent
 //! axes that every operand either broadcasts or holds contiguously. The flat batch index is
 //! unchanged (row-major over the remaining axes), so results land where the host expects.
@@ -175,11 +166,9 @@ inline Status check_mask_operands(const ForwardParams& p, int block_m, int block
                          m, "mask");
 }
 
-//! Checks what the kernels require of a bias array: the inputs' dtype (they read it as such),
-//! its block classes for the (block_m, block_n) tile and, in the backward, no bias gradient
-//! (the kernels do not compute it).
-inline Status check_bias_operands(const ForwardParams& p, int block_m, int block_n,
-                                  const Operand* dbias) {
+//! Checks what the kernels require of a bias array: the inputs' dtype (they read it as such)
+//! and its block classes for the (block_m, block_n) tile.
+inline Status check_bias_operands(const ForwardParams& p, int block_m, int block_n) {
   if (!p.bias.present()) return Status::Ok();
   Status status = check_block_classes(p, "bias_blocks", p.bias_blocks, p.bias, "bias", block_m,
                                       block_n);
@@ -187,11 +176,6 @@ inline Status check_bias_operands(const ForwardParams& p, int block_m, int block
   if (p.bias.dtype != p.shape.dtype) {
     return Status::InvalidArgument("jax_flash: the Hopper kernels read a bias of the inputs' "
                                    "dtype only (jax_flash routes others to its blockwise path)");
-  }
-  if (dbias != nullptr && dbias->present()) {
-    return Status::InvalidArgument("jax_flash: the Hopper backward computes no bias gradient "
-                                   "(jax_flash routes calls that need dbias to its blockwise "
-                                   "path)");
   }
   return Status::Ok();
 }

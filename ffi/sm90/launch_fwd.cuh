@@ -26,7 +26,7 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   Status status = check_mask_operands(p, Traits::kBlockM, Traits::kBlockN,
                                       /*rows_are_keys=*/false);
   if (status.ok()) {
-    status = check_bias_operands(p, Traits::kBlockM, Traits::kBlockN, /*dbias=*/nullptr);
+    status = check_bias_operands(p, Traits::kBlockM, Traits::kBlockN);
   }
   if (!status.ok()) return status;
   kp.problem = make_problem(p);

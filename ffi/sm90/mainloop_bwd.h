@@ -4,7 +4,7 @@
            dO with its row term, block after block, through two TMA pipelines); the reduction
            of the dQ partial sums into global memory; and the MMA warpgroups' step per query
            block: S^T and dP^T, P^T from the saved log-sum-exp, dS^T, then dV += P^T dO,
-           dQ = dS K and dK += dS^T Q.
+           dQ = dS K and dK += dS^T Q, and dbias += dS where the bias gradient is wanted.
 
     One CTA owns one key block of one key/value head: K and V stay in shared memory and dK, dV
     in registers while the CTA walks every query block that sees the key block, for each query
@@ -14,7 +14,9 @@
     With segment ids a CTA visits only the query blocks its keys' segments reach, and with a
     mask or bias array only those its block classes leave non-empty, except under that fixed
     order, whose turns count every key block the window lets see a query block. A bias is added
-    to S^T as in the forward (read transposed); its gradient is not computed here.
+    to S^T as in the forward (read transposed); where its gradient is wanted, each step adds
+    its dS^T into a float32 accumulator with atomic additions, summed first over the axes along
+    which the bias broadcasts within the block (skipped blocks have dS = 0).
 */
 #pragma once
 
@@ -64,6 +66,7 @@ struct BackwardMainloop {
     float scale_log2;  //!< softmax scale times log2(e), > 0
     LogitSoftcap softcap;  //!< used when Traits::kSoftcap
     float inv_scale;       //!< 1 / softmax scale, for the bias
+    BiasGradient dbias;    //!< with a bias (Traits::kBias), present when its gradient is wanted
   };
 
   struct Params {
@@ -81,6 +84,7 @@ struct BackwardMainloop {
     float scale_log2;
     LogitSoftcap softcap;
     float inv_scale;
+    BiasGradient dbias;
   };
 
   static Params to_params(Arguments const& args) {
@@ -112,6 +116,7 @@ struct BackwardMainloop {
     params.scale_log2 = args.scale_log2;
     params.softcap = args.softcap;
     params.inv_scale = args.inv_scale;
+    params.dbias = args.dbias;
     return params;
   }
 
@@ -445,7 +450,7 @@ struct BackwardMainloop {
 
     int ds_stage = 0;
     auto step = [&](int32_t m_block, MaskView const& mask_view, MaskBlock cls,
-                    const Element* bias) {
+                    const Element* bias, float* dbias) {
       prefetch_bias(bias, m_block);
       // S^T = K Q^T and dP^T = V dO^T, back to back.
       Tensor tSrS = partition_fragment_C(mma_sdp, ShapeSt{});
@@ -533,6 +538,14 @@ struct BackwardMainloop {
         warpgroup_gemm</*kZeroInit=*/false, -1>(mma_dkv, tdVrPt(_, _, _, ds_stage),
                                                 tdVrDo(_, _, _, read_do.index()), tdVrdV);
       }
+      // dbias += dS (transposed), while dV runs.
+      if constexpr (Traits::kBias) {
+        if (dbias != nullptr) {
+          mask.add_bias_gradient(dp, dbias, params.dbias.col_stride, params.dbias.row_stride,
+                                 info.n_start(), problem.seqlen_k, m_block * kBlockM,
+                                 problem.seqlen_q);
+        }
+      }
       // dS^T to shared memory for dQ (and for dK when it does not come from registers).
       Tensor rdS = make_tensor(tdKrdS.data(), tdPrdP.layout());
       copy(smem_copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, ds_stage));
@@ -570,6 +583,10 @@ struct BackwardMainloop {
     for (int32_t g = 0; g < problem.group_size; ++g) {
       const auto mask_view = info.mask_of(problem, g);
       const Element* bias = Traits::kBias ? info.bias_of(problem, g) : nullptr;
+      float* dbias = Traits::kBias && params.dbias.present()
+                         ? params.dbias.of(problem.batch, info.coord.batch,
+                                           info.coord.head * problem.group_size + g)
+                         : nullptr;
       // Each block's class is read a step ahead, so that skipping does not wait on its load.
       MaskBlock cls = info.query_block_class(problem, mask_view, info.queries.begin);
       CUTE_NO_UNROLL
@@ -577,7 +594,7 @@ struct BackwardMainloop {
         const MaskBlock next = m_block + 1 < info.queries.end
                                    ? info.query_block_class(problem, mask_view, m_block + 1)
                                    : MaskBlock::kEmpty;
-        if (!TileInfo::skips(problem, cls)) step(m_block, mask_view, cls, bias);
+        if (!TileInfo::skips(problem, cls)) step(m_block, mask_view, cls, bias, dbias);
         cls = next;
       }
     }

@@ -2,7 +2,8 @@
     \brief Per-element work on one logits block held in WGMMA accumulators, in either operand
            orientation: rows are queries (forward, S = Q K^T) or keys (backward, S^T = K Q^T):
            masking by lengths and windows, by segment ids and by a mask array (invisible pairs
-           become -inf, so their probabilities are exactly 0), and the addition of a bias array.
+           become -inf, so their probabilities are exactly 0), the addition of a bias array and
+           of the logits' gradients into the bias's.
 */
 #pragma once
 
@@ -198,6 +199,74 @@ struct BlockMask {
           }
         }
       }
+    }
+  }
+
+  //! Adds the block's logit gradients (rowcol view `ds`) into a float32 bias gradient (see
+  //! BiasGradient): `dbias` is element (row 0, column 0) of the (batch item, head), row_step and
+  //! col_step its strides along the block's rows and columns, 0 along an axis it sums over.
+  //! Such axes are summed in registers and across lanes first, so that one atomic addition per
+  //! element of dbias and warp reaches memory: in a WGMMA accumulator, lanes that differ in
+  //! their two low bits hold other columns of the same rows, lanes that differ in their three
+  //! high bits other rows of the same columns. Rows at or past row_limit and columns at or past
+  //! col_limit lie past the sequences (past dbias) and are left out.
+  template <class TensorS>
+  CUTE_DEVICE void add_bias_gradient(TensorS const& ds, float* dbias, int64_t row_step,
+                                     int64_t col_step, int row_start, int row_limit,
+                                     int col_start, int col_limit) const {
+    auto tScS = TiledMma{}.get_thread_slice(thread_idx).partition_C(
+        make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
+    auto coords = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
+    constexpr int kThreadRows = decltype(size<0>(ds))::value;
+    constexpr int kThreadCols = decltype(size<1>(ds))::value;
+    const int lane = thread_idx % 32;
+    auto row_of = [&](int r) { return row_start + get<0>(coords(r, 0)); };
+    auto col_of = [&](int c) { return col_start + get<1>(coords(0, c)); };
+    // The element, or 0 past the sequences.
+    auto inside = [&](int r, int c) {
+      return row_of(r) < row_limit && col_of(c) < col_limit ? ds(r, c) : 0.f;
+    };
+    auto sum_lanes = [](float value, int first_xor, int last_xor) {
+      for (int x = first_xor; x <= last_xor; x *= 2) value += __shfl_xor_sync(0xffffffffu, value, x);
+      return value;
+    };
+    if (row_step != 0 && col_step != 0) {
+      CUTE_UNROLL
+      for (int r = 0; r < kThreadRows; ++r) {
+        if (row_of(r) >= row_limit) continue;
+        float* row_dbias = dbias + row_of(r) * row_step;
+        CUTE_UNROLL
+        for (int c = 0; c < kThreadCols; ++c) {
+          if (col_of(c) < col_limit) atomicAdd(row_dbias + col_of(c) * col_step, ds(r, c));
+        }
+      }
+    } else if (row_step != 0) {  // summed over the columns
+      CUTE_UNROLL
+      for (int r = 0; r < kThreadRows; ++r) {
+        float sum = 0.f;
+        CUTE_UNROLL
+        for (int c = 0; c < kThreadCols; ++c) sum += inside(r, c);
+        sum = sum_lanes(sum, 1, 2);
+        if (lane % 4 == 0 && row_of(r) < row_limit) atomicAdd(dbias + row_of(r) * row_step, sum);
+      }
+    } else if (col_step != 0) {  // summed over the rows
+      CUTE_UNROLL
+      for (int c = 0; c < kThreadCols; ++c) {
+        float sum = 0.f;
+        CUTE_UNROLL
+        for (int r = 0; r < kThreadRows; ++r) sum += inside(r, c);
+        sum = sum_lanes(sum, 4, 16);
+        if (lane < 4 && col_of(c) < col_limit) atomicAdd(dbias + col_of(c) * col_step, sum);
+      }
+    } else {  // one element for the whole block
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int r = 0; r < kThreadRows; ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < kThreadCols; ++c) sum += inside(r, c);
+      }
+      sum = sum_lanes(sum, 1, 16);
+      if (lane == 0) atomicAdd(dbias, sum);
     }
   }
 

@@ -128,6 +128,23 @@ struct BiasArray {
   }
 };
 
+//! The backward's float32 accumulator of the bias gradient: laid out like the dbias result
+//! (the bias's own extents, full on the batch axes vmap added), element (query i, key j) of a
+//! (batch item, query head) at the same offsets as BiasArray's with this array's strides (0
+//! where dbias sums over the axis). Every block's dS is added into it; a last pass converts it
+//! to the bias's dtype.
+struct BiasGradient {
+  float* data = nullptr;
+  DeviceBatchMap batch;
+  int64_t item_stride = 0, head_stride = 0, row_stride = 0, col_stride = 0;
+
+  CUTE_HOST_DEVICE bool present() const { return data != nullptr; }
+  //! Element (0, 0) of (batch item b, query head `head`).
+  CUTE_HOST_DEVICE float* of(DeviceBatch const& problem_batch, int32_t b, int32_t head) const {
+    return data + int64_t(batch(problem_batch, b)) * item_stride + head * head_stride;
+  }
+};
+
 //! The runtime scalars of an attention problem that every pass needs: sizes, the visibility
 //! rule (window; causal is window_right == 0), the optional per-item lengths, segment ids,
 //! mask and bias arrays.
