@@ -156,6 +156,43 @@ struct BlockMask {
     }
   }
 
+  //! Calls visit(r, c, address) for each element (r, c) of the thread's part of the block
+  //! (rowcol view `coords`) that lies before row_limit and col_limit, address pointing into the
+  //! array whose element (row 0, column 0) is `origin`, with strides row_step and col_step. Each
+  //! row's address advances by the column steps of the accumulator layout (compile-time
+  //! constants times col_step), with no per-element multiplication; a block that lies wholly
+  //! inside the limits (the usual case) skips the per-element bounds tests.
+  template <class Coords, class T, class Visit>
+  CUTE_DEVICE static void for_each_element(Coords const& coords, T* origin, int64_t row_step,
+                                           int64_t col_step, int row_start, int row_limit,
+                                           int col_start, int col_limit, Visit&& visit) {
+    constexpr int kThreadRows = decltype(size<0>(coords))::value;
+    constexpr int kThreadCols = decltype(size<1>(coords))::value;
+    const int thread_col = get<1>(coords(0, 0));
+    const int first = col_start + thread_col;
+    auto walk = [&](auto checked) {
+      CUTE_UNROLL
+      for (int r = 0; r < kThreadRows; ++r) {
+        const int row = row_start + get<0>(coords(r, 0));
+        if (checked && row >= row_limit) continue;
+        T* address = origin + row * row_step + first * col_step;
+        int previous = 0;
+        CUTE_UNROLL
+        for (int c = 0; c < kThreadCols; ++c) {
+          const int step = get<1>(coords(0, c)) - thread_col;  // a constant after folding
+          address += (step - previous) * col_step;
+          previous = step;
+          if (!checked || first + step < col_limit) visit(r, c, address);
+        }
+      }
+    };
+    if (row_start + kRows <= row_limit && col_start + kCols <= col_limit) {
+      walk(std::false_type{});
+    } else {
+      walk(std::true_type{});
+    }
+  }
+
   //! Adds a bias array to the block, divided by the softmax scale (the mainloops scale the
   //! logits afterwards; a bias past the float range becomes +-inf, which acts as a mask).
   //! `bias` is element (row 0, column 0) of the (batch item, head), row_step and col_step its
@@ -170,19 +207,17 @@ struct BlockMask {
     auto tScS = TiledMma{}.get_thread_slice(thread_idx).partition_C(
         make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
     auto coords = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
+    const uint16_t* raw = reinterpret_cast<const uint16_t*>(bias);
+    auto element = [](uint16_t bits) { return float(Element::bitcast(bits)); };
     const int thread_col = get<1>(coords(0, 0));
     const int first = col_start + thread_col;
-    const bool whole = col_start + kCols <= col_limit;
-    const bool pairs = paired && whole;
-    auto element = [](uint16_t raw) { return float(Element::bitcast(raw)); };
-    CUTE_UNROLL
-    for (int r = 0; r < size<0>(s); ++r) {
-      const int row = row_start + get<0>(coords(r, 0));
-      if (row >= row_limit) continue;
-      const uint16_t* row_bias = reinterpret_cast<const uint16_t*>(bias) + row * row_step +
-                                 first * col_step;
-      if (pairs) {
-        // Columns come in adjacent pairs (steps 2i, 2i + 1 of the accumulator layout).
+    if (paired && col_start + kCols <= col_limit) {
+      // Columns come in adjacent pairs (steps 2i, 2i + 1 of the accumulator layout).
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(s); ++r) {
+        const int row = row_start + get<0>(coords(r, 0));
+        if (row >= row_limit) continue;
+        const uint16_t* row_bias = raw + row * row_step + first;
         CUTE_UNROLL
         for (int c = 0; c < size<1>(s); c += 2) {
           const int step = get<1>(coords(0, c)) - thread_col;
@@ -190,16 +225,13 @@ struct BlockMask {
           s(r, c) = fmaf(element(uint16_t(word & 0xffffu)), inv_scale, s(r, c));
           s(r, c + 1) = fmaf(element(uint16_t(word >> 16)), inv_scale, s(r, c + 1));
         }
-      } else {
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(s); ++c) {
-          const int step = get<1>(coords(0, c)) - thread_col;
-          if (whole || first + step < col_limit) {
-            s(r, c) = fmaf(element(__ldg(row_bias + step * col_step)), inv_scale, s(r, c));
-          }
-        }
       }
+      return;
     }
+    for_each_element(coords, raw, row_step, col_step, row_start, row_limit, col_start, col_limit,
+                     [&](int r, int c, const uint16_t* address) {
+                       s(r, c) = fmaf(element(__ldg(address)), inv_scale, s(r, c));
+                     });
   }
 
   //! Adds the block's logit gradients (rowcol view `ds`) into a float32 bias gradient (see
@@ -231,15 +263,8 @@ struct BlockMask {
       return value;
     };
     if (row_step != 0 && col_step != 0) {
-      CUTE_UNROLL
-      for (int r = 0; r < kThreadRows; ++r) {
-        if (row_of(r) >= row_limit) continue;
-        float* row_dbias = dbias + row_of(r) * row_step;
-        CUTE_UNROLL
-        for (int c = 0; c < kThreadCols; ++c) {
-          if (col_of(c) < col_limit) atomicAdd(row_dbias + col_of(c) * col_step, ds(r, c));
-        }
-      }
+      for_each_element(coords, dbias, row_step, col_step, row_start, row_limit, col_start,
+                       col_limit, [&](int r, int c, float* address) { atomicAdd(address, ds(r, c)); });
     } else if (row_step != 0) {  // summed over the columns
       CUTE_UNROLL
       for (int r = 0; r < kThreadRows; ++r) {
