@@ -266,8 +266,8 @@ def _bias_tiles(bias, tile):
   return [kept.reshape(*lead, MB, bm, SB).any(-2).astype(jnp.int8)]
 
 
-def _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, *, mask_tile=None):
-  """The forward FFI call. With mask_tile (the CUDA handler's tile for the problem) a mask or
+def _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, *, gpu_tile=None):
+  """The forward FFI call. With gpu_tile (the CUDA handler's tile for the problem) a mask or
   bias travels with its operands for the Hopper kernels (`_mask_tiles`, `_bias_tiles`)."""
   _extension.ensure_registered()
   batch = _batch_shape(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
@@ -276,9 +276,9 @@ def _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, *, 
                   jax.ShapeDtypeStruct(batch + (N, T), _config.accumulation_dtype(q.dtype)))
   call = jax.ffi.ffi_call(_extension.FORWARD_TARGET, result_types, vmap_method="expand_dims")
   tiles, bias_tiles = [], []
-  if mask_tile is not None:
-    tiles = _mask_tiles(mask, mask_tile, T, k.shape[-3], rows_are_keys=False)
-    bias_tiles = _bias_tiles(bias, mask_tile)
+  if gpu_tile is not None:
+    tiles = _mask_tiles(mask, gpu_tile, T, k.shape[-3], rows_are_keys=False)
+    bias_tiles = _bias_tiles(bias, gpu_tile)
   operands = (q, k, v, *_present(bias), *bias_tiles, *_present(mask), *tiles,
               *_present(q_len, kv_len), *_segments(q_seg, kv_seg))
   results = call(*operands, **_attributes(config, bias, bias_tiles, mask, tiles, q_len, kv_len,
@@ -427,7 +427,7 @@ def _gpu_forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
     plan = _split_kv.plan(q.shape, k.shape, config, q_seg is not None)
   if plan is None:
     return _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg,
-                         mask_tile=_config.SM90_FORWARD.tile_for(q.shape[-1]))
+                         gpu_tile=_config.SM90_FORWARD.tile_for(q.shape[-1]))
 
   def call(q, k, v, q_len, kv_len):
     return _forward_call(config, q, k, v, None, None, q_len, kv_len, None, None)
