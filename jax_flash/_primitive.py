@@ -32,8 +32,8 @@ Layers, outermost first:
 
   custom_vjp     `attention`: the gradient also flows through the log-sum-exp: the backward
                  folds dlse into the row term, dS = P * (dP - (rowsum(dO * O) - dlse)). A bias
-                 that is not differentiated gets no gradient computed (the Hopper backward
-                 computes none: a differentiated bias runs the blockwise backward).
+                 that is not differentiated gets no gradient computed (symbolic zeros tell;
+                 the backward call then returns no dbias).
   custom_vmap    `_batched`: batching with the semantics of ffi_call's
                  vmap_method="expand_dims". A vmapped axis arrives as a leading batch axis on
                  every operand; operands that are not mapped get a leading axis of extent 1,
