@@ -15,8 +15,9 @@
     mask or bias array only those its block classes leave non-empty, except under that fixed
     order, whose turns count every key block the window lets see a query block. A bias is added
     to S^T as in the forward (read transposed); where its gradient is wanted, each step adds
-    its dS^T into a float32 accumulator with atomic additions, summed first over the axes along
-    which the bias broadcasts within the block (skipped blocks have dS = 0).
+    its dS^T into a float32 accumulator with atomic additions, summed first over the keys where
+    the bias broadcasts along them; one broadcast along the queries is summed in registers over
+    a query head's steps and added once (skipped blocks have dS = 0).
 */
 #pragma once
 
@@ -448,6 +449,10 @@ struct BackwardMainloop {
       }
     };
 
+    // A bias gradient summed over the queries (a bias broadcast along them): each thread's keys'
+    // sums over the steps of a query head, added to memory once after them.
+    cute::array<float, decltype(size<0>(columns))::value> dbias_key_sums;
+
     int ds_stage = 0;
     auto step = [&](int32_t m_block, MaskView const& mask_view, MaskBlock cls,
                     const Element* bias, float* dbias) {
@@ -538,9 +543,11 @@ struct BackwardMainloop {
         warpgroup_gemm</*kZeroInit=*/false, -1>(mma_dkv, tdVrPt(_, _, _, ds_stage),
                                                 tdVrDo(_, _, _, read_do.index()), tdVrdV);
       }
-      // dbias += dS (transposed), while dV runs.
+      // dbias += dS (transposed), while dV runs; summed over the queries, into the key sums.
       if constexpr (Traits::kBias) {
-        if (dbias != nullptr) {
+        if (dbias != nullptr && params.dbias.row_stride == 0) {
+          mask.add_row_sums(dp, dbias_key_sums, m_block * kBlockM, problem.seqlen_q);
+        } else if (dbias != nullptr) {
           mask.add_bias_gradient(dp, dbias, params.dbias.col_stride, params.dbias.row_stride,
                                  info.n_start(), problem.seqlen_k, m_block * kBlockM,
                                  problem.seqlen_q);
@@ -587,6 +594,7 @@ struct BackwardMainloop {
                          ? params.dbias.of(problem.batch, info.coord.batch,
                                            info.coord.head * problem.group_size + g)
                          : nullptr;
+      dbias_key_sums.fill(0.f);
       // Each block's class is read a step ahead, so that skipping does not wait on its load.
       MaskBlock cls = info.query_block_class(problem, mask_view, info.queries.begin);
       CUTE_NO_UNROLL
@@ -596,6 +604,12 @@ struct BackwardMainloop {
                                    : MaskBlock::kEmpty;
         if (!TileInfo::skips(problem, cls)) step(m_block, mask_view, cls, bias, dbias);
         cls = next;
+      }
+      if constexpr (Traits::kBias) {
+        if (dbias != nullptr && params.dbias.row_stride == 0) {
+          mask.add_row_sums_to(dbias_key_sums, dbias, params.dbias.col_stride, info.n_start(),
+                               problem.seqlen_k);
+        }
       }
     }
   }

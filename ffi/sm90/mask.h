@@ -60,17 +60,21 @@ struct BlockMask {
 
   CUTE_DEVICE explicit BlockMask(int thread_idx_) : thread_idx(thread_idx_) {}
 
+  //! Block-relative (row, col) of every element this thread holds, in the rowcol view of its
+  //! accumulator; folds to constants plus the thread's offset.
+  CUTE_DEVICE auto coordinates() const {
+    auto tScS = TiledMma{}.get_thread_slice(thread_idx).partition_C(
+        make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
+    return make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
+  }
+
   //! Masks the rowcol view `s` of the block whose first row and column are row_start and
   //! col_start. With `row_spans` (the batch item's exact segment spans along the rows, see
   //! attention_params.h), also the columns outside each row's span: they hold other ids.
   template <class TensorS>
   CUTE_DEVICE void apply(TensorS& s, RowVisibility const& vis, int row_start, int col_start,
                          const int32_t* row_spans = nullptr) const {
-    // Block-relative (row, col) of every element this thread holds; folds to constants plus
-    // the thread's offset.
-    auto tScS = TiledMma{}.get_thread_slice(thread_idx).partition_C(
-        make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
-    auto coords = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
+    auto coords = coordinates();
     // Bounds are taken relative to the thread's first column, so each comparison is against a
     // compile-time column step: no register per column.
     const int thread_col = get<1>(coords(0, 0));
@@ -125,9 +129,7 @@ struct BlockMask {
   CUTE_DEVICE void apply_mask_array(TensorS& s, const uint32_t* bits, int row_stride,
                                     int words_per_row, int row_start, int row_limit,
                                     int col_start) const {
-    auto tScS = TiledMma{}.get_thread_slice(thread_idx).partition_C(
-        make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
-    auto coords = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
+    auto coords = coordinates();
     // The bits from the thread's first column on, realigned (funnel shifts) so that each
     // column step, a compile-time constant after folding, reads a fixed bit of a register.
     constexpr int kWords = (kCols + 31) / 32;
@@ -204,9 +206,7 @@ struct BlockMask {
   CUTE_DEVICE void add_bias(TensorS& s, const Element* bias, int64_t row_step, int64_t col_step,
                             bool paired, float inv_scale, int row_start, int row_limit,
                             int col_start, int col_limit) const {
-    auto tScS = TiledMma{}.get_thread_slice(thread_idx).partition_C(
-        make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
-    auto coords = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
+    auto coords = coordinates();
     const uint16_t* raw = reinterpret_cast<const uint16_t*>(bias);
     auto element = [](uint16_t bits) { return float(Element::bitcast(bits)); };
     const int thread_col = get<1>(coords(0, 0));
@@ -235,64 +235,86 @@ struct BlockMask {
   }
 
   //! Adds the block's logit gradients (rowcol view `ds`) into a float32 bias gradient (see
-  //! BiasGradient): `dbias` is element (row 0, column 0) of the (batch item, head), row_step and
-  //! col_step its strides along the block's rows and columns, 0 along an axis it sums over.
-  //! Such axes are summed in registers and across lanes first, so that one atomic addition per
-  //! element of dbias and warp reaches memory: in a WGMMA accumulator, lanes that differ in
-  //! their two low bits hold other columns of the same rows, lanes that differ in their three
-  //! high bits other rows of the same columns. Rows at or past row_limit and columns at or past
-  //! col_limit lie past the sequences (past dbias) and are left out.
+  //! BiasGradient) that keeps the columns (col_step != 0; one summed over the columns is
+  //! gathered by add_row_sums instead): `dbias` is element (row 0, column 0) of the (batch item,
+  //! head), row_step and col_step its strides along the block's rows and columns. Where it sums
+  //! over the rows (row_step 0) they are summed in registers and across lanes first, so that
+  //! one atomic addition per column and warp reaches memory: in a WGMMA accumulator, lanes that
+  //! differ in their three high bits hold other rows of the same columns. Rows at or past
+  //! row_limit and columns at or past col_limit lie past the sequences (past dbias) and are
+  //! left out.
   template <class TensorS>
   CUTE_DEVICE void add_bias_gradient(TensorS const& ds, float* dbias, int64_t row_step,
                                      int64_t col_step, int row_start, int row_limit,
                                      int col_start, int col_limit) const {
-    auto tScS = TiledMma{}.get_thread_slice(thread_idx).partition_C(
-        make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
-    auto coords = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
-    constexpr int kThreadRows = decltype(size<0>(ds))::value;
-    constexpr int kThreadCols = decltype(size<1>(ds))::value;
+    auto coords = coordinates();
+    if (row_step != 0) {
+      for_each_element(coords, dbias, row_step, col_step, row_start, row_limit, col_start,
+                       col_limit, [&](int r, int c, float* address) { atomicAdd(address, ds(r, c)); });
+      return;
+    }
+    CUTE_UNROLL
+    for (int c = 0; c < decltype(size<1>(ds))::value; ++c) {
+      const int col = col_start + get<1>(coords(0, c));
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int r = 0; r < decltype(size<0>(ds))::value; ++r) {
+        if (row_start + get<0>(coords(r, 0)) < row_limit) sum += ds(r, c);
+      }
+      for (int x = 4; x <= 16; x *= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
+      if (thread_idx % 32 < 4 && col < col_limit) atomicAdd(dbias + col * col_step, sum);
+    }
+  }
+
+  //! For a bias gradient summed over the columns: adds the block's logit gradients (rowcol view
+  //! `ds`) of each of the thread's rows, over its columns before col_limit, into `sums`, which
+  //! the caller keeps over every block of the same rows (one addition to memory per row then,
+  //! add_row_sums_to, instead of one per block).
+  template <class TensorS, size_t kThreadRows>
+  CUTE_DEVICE void add_row_sums(TensorS const& ds, cute::array<float, kThreadRows>& sums,
+                                int col_start, int col_limit) const {
+    auto coords = coordinates();
+    const bool whole = col_start + kCols <= col_limit;
+    CUTE_UNROLL
+    for (int r = 0; r < int(kThreadRows); ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < decltype(size<1>(ds))::value; ++c) {
+        if (whole || col_start + get<1>(coords(0, c)) < col_limit) sums[r] += ds(r, c);
+      }
+    }
+  }
+
+  //! Adds the row sums of add_row_sums into the bias gradient: `dbias` is element (row 0,
+  //! column 0) of the (batch item, head), row_step its stride along the rows (0: one element
+  //! for every row). The sums are gathered across lanes first (in a WGMMA accumulator, lanes
+  //! that differ in their two low bits hold other columns of the same rows, in their three high
+  //! bits other rows), so that one atomic addition per element of dbias and warp reaches
+  //! memory. Rows at or past row_limit lie past the sequence and are left out.
+  template <size_t kThreadRows>
+  CUTE_DEVICE void add_row_sums_to(cute::array<float, kThreadRows> const& sums, float* dbias,
+                                   int64_t row_step, int row_start, int row_limit) const {
+    auto coords = coordinates();
     const int lane = thread_idx % 32;
-    auto row_of = [&](int r) { return row_start + get<0>(coords(r, 0)); };
-    auto col_of = [&](int c) { return col_start + get<1>(coords(0, c)); };
-    // The element, or 0 past the sequences.
-    auto inside = [&](int r, int c) {
-      return row_of(r) < row_limit && col_of(c) < col_limit ? ds(r, c) : 0.f;
-    };
     auto sum_lanes = [](float value, int first_xor, int last_xor) {
       for (int x = first_xor; x <= last_xor; x *= 2) value += __shfl_xor_sync(0xffffffffu, value, x);
       return value;
     };
-    if (row_step != 0 && col_step != 0) {
-      for_each_element(coords, dbias, row_step, col_step, row_start, row_limit, col_start,
-                       col_limit, [&](int r, int c, float* address) { atomicAdd(address, ds(r, c)); });
-    } else if (row_step != 0) {  // summed over the columns
+    if (row_step != 0) {
       CUTE_UNROLL
-      for (int r = 0; r < kThreadRows; ++r) {
-        float sum = 0.f;
-        CUTE_UNROLL
-        for (int c = 0; c < kThreadCols; ++c) sum += inside(r, c);
-        sum = sum_lanes(sum, 1, 2);
-        if (lane % 4 == 0 && row_of(r) < row_limit) atomicAdd(dbias + row_of(r) * row_step, sum);
+      for (int r = 0; r < int(kThreadRows); ++r) {
+        const int row = row_start + get<0>(coords(r, 0));
+        const float sum = sum_lanes(sums[r], 1, 2);
+        if (lane % 4 == 0 && row < row_limit) atomicAdd(dbias + row * row_step, sum);
       }
-    } else if (col_step != 0) {  // summed over the rows
-      CUTE_UNROLL
-      for (int c = 0; c < kThreadCols; ++c) {
-        float sum = 0.f;
-        CUTE_UNROLL
-        for (int r = 0; r < kThreadRows; ++r) sum += inside(r, c);
-        sum = sum_lanes(sum, 4, 16);
-        if (lane < 4 && col_of(c) < col_limit) atomicAdd(dbias + col_of(c) * col_step, sum);
-      }
-    } else {  // one element for the whole block
-      float sum = 0.f;
-      CUTE_UNROLL
-      for (int r = 0; r < kThreadRows; ++r) {
-        CUTE_UNROLL
-        for (int c = 0; c < kThreadCols; ++c) sum += inside(r, c);
-      }
-      sum = sum_lanes(sum, 1, 16);
-      if (lane == 0) atomicAdd(dbias, sum);
+      return;
     }
+    float sum = 0.f;
+    CUTE_UNROLL
+    for (int r = 0; r < int(kThreadRows); ++r) {
+      if (row_start + get<0>(coords(r, 0)) < row_limit) sum += sums[r];
+    }
+    sum = sum_lanes(sum, 1, 16);
+    if (lane == 0) atomicAdd(dbias, sum);
   }
 
   //! Asks L1 for the bias lines of the block that add_bias (same arguments) will read, so that
@@ -301,9 +323,7 @@ struct BlockMask {
   CUTE_DEVICE void prefetch_bias(const Element* bias, int64_t row_step, int64_t col_step,
                                  int row_start, int row_limit, int col_start,
                                  int col_limit) const {
-    auto tScS = TiledMma{}.get_thread_slice(thread_idx).partition_C(
-        make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
-    auto coords = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
+    auto coords = coordinates();
     constexpr int kLineElements = 128 / int(sizeof(Element));
     const int thread_col = get<1>(coords(0, 0));
     const int first = col_start + thread_col;
@@ -340,9 +360,7 @@ struct BlockMask {
   CUTE_DEVICE void apply_segment_ids(TensorS& s, const int32_t* row_ids, int row_start,
                                      int row_limit, const int32_t* col_ids, int col_start,
                                      int col_limit) const {
-    auto tScS = TiledMma{}.get_thread_slice(thread_idx).partition_C(
-        make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
-    auto coords = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
+    auto coords = coordinates();
     constexpr int kThreadRows = decltype(size<0>(s))::value;
     int32_t row_id[kThreadRows];
     CUTE_UNROLL
