@@ -18,10 +18,14 @@ Two families of one shape (B, T = S, N, H), timed in one process:
   learned bias family  a learned per-head bias (T5's relative positions, ALiBi):
                     head_bias      a random (1, N, T, S) bias, not causal, differentiated in
                                    fwd_bwd (dbias summed over the batch)
+  capped family   Gemma 2's causal attention under its logit cap (logits_soft_cap=50; jax_flash
+                  only, cuDNN has no soft-capping):
+                    capped_causal       is_causal=True
+                    capped_causal_mask  mask = tril, the (1, 1, T, S) array Flax passes
 
 Implementations are named <impl>:<way>, impl jax_flash or cudnn (GPU only). Throughput counts
 the visible work only, the same for every way of a family: 4 * B * N * T * S * H halved for
-causal, 4 * N * T * H * sum(lengths) for padding, 4 * B * N * T * doc_len * H halved for
+causal (and capped), 4 * N * T * H * sum(lengths) for padding, 4 * B * N * T * doc_len * H halved for
 documents, 4 * B * N * T * S * H for the learned bias, 3.5x for fwd_bwd. Columns: `vs struct`,
 jax_flash's throughput over its structured way in the family (is_causal, lengths); `vs cudnn`,
 over cuDNN's same way. Every output (and gradient) is checked against the family's first row:
@@ -53,9 +57,12 @@ import bench_attention  # noqa: E402  (timing helpers shared with the main bench
 FAMILIES = {"causal": ("causal", "causal_mask", "causal_bias"),
             "padding": ("lengths", "padding_mask"),
             "documents": ("segment_ids", "document_mask"),
-            "learned_bias": ("head_bias",)}
+            "learned_bias": ("head_bias",),
+            "capped": ("capped_causal", "capped_causal_mask")}
+SOFTCAP = 50.0  # the capped family's logits_soft_cap (Gemma 2's)
 # Ways an implementation does not have.
-UNSUPPORTED = {("cudnn", "segment_ids")}
+UNSUPPORTED = {("cudnn", "segment_ids"), ("cudnn", "capped_causal"),
+               ("cudnn", "capped_causal_mask")}
 IMPLS = ("jax_flash", "cudnn")
 GPU_ONLY = ("cudnn",)
 
@@ -66,7 +73,7 @@ def lengths_of(B: int, T: int):
 
 def visible_flops(family: str, args, mode: str) -> float:
   B, T, N, H = args.batch, args.seq, args.heads, args.head_dim
-  if family == "causal":
+  if family in ("causal", "capped"):
     flops = 4.0 * B * N * T * T * H * 0.5
   elif family == "documents":
     flops = 4.0 * B * N * T * args.doc_len * H * 0.5
@@ -99,6 +106,8 @@ def build(impl: str, way: str, args, mode: str):
       "segment_ids": dict(is_causal=True, query_segment_ids=ids, key_value_segment_ids=ids),
       "document_mask": dict(is_causal=True, mask=(ids[:, :, None] == ids[:, None, :])[:, None]),
       "head_bias": {},
+      "capped_causal": dict(is_causal=True, logits_soft_cap=SOFTCAP),
+      "capped_causal_mask": dict(mask=tril, logits_soft_cap=SOFTCAP),
   }[way]
   # Differentiated operands: q, k, v and, for the learned bias, the bias.
   primals = (q, k, v)
@@ -164,7 +173,13 @@ def parse_args(argv=None):
   p.add_argument("--head-dim", type=int, default=128)
   p.add_argument("--doc-len", type=int, default=512)
   p.add_argument("--modes", default="fwd,fwd_bwd")
-  return p.parse_args(argv)
+  p.add_argument("--families", default=",".join(FAMILIES),
+                 help="comma list of families to run (default: all)")
+  args = p.parse_args(argv)
+  unknown = set(args.families.split(",")) - set(FAMILIES)
+  if unknown:
+    p.error(f"--families: unknown {sorted(unknown)} (known: {', '.join(FAMILIES)})")
+  return args
 
 
 def main(argv=None) -> dict:
@@ -176,7 +191,8 @@ def main(argv=None) -> dict:
   print("\n".join(table([], unit, scale)), flush=True)
   rows = []
   for mode in args.modes.split(","):
-    for family, ways in FAMILIES.items():
+    for family in args.families.split(","):
+      ways = FAMILIES[family]
       reference = None
       throughput = {}
       for impl in impls:
@@ -207,8 +223,10 @@ def main(argv=None) -> dict:
           "batch": args.batch, "seq": args.seq, "heads": args.heads, "head_dim": args.head_dim,
           "doc_len": args.doc_len,
           "dtype": args.dtype, "iterations": args.iterations,
-          "flops": "visible work: causal 4*B*N*T*S*H/2, padding 4*N*T*H*sum(lengths), "
-                   "documents 4*B*N*T*doc_len*H/2; fwd_bwd 3.5x forward",
+          "flops": "visible work: causal and capped 4*B*N*T*S*H/2, padding "
+                   "4*N*T*H*sum(lengths), documents 4*B*N*T*doc_len*H/2, learned bias "
+                   "4*B*N*T*S*H; fwd_bwd 3.5x forward",
+          "softcap": SOFTCAP,
       },
       "results": rows,
   }

@@ -59,10 +59,11 @@ class Kernel:
   """One compiled kernel: its tiles and its optional features: the logit arrays it reads
   ("bias", "mask"), whether it soft-caps logits ("softcap"), whether it takes segment ids
   ("segment_ids") and, for a backward, whether it computes the bias gradient
-  ("bias_gradient"); those in `alone` it takes only without the others."""
+  ("bias_gradient"). It takes each feature alone, and two together where `combinations` (a
+  set of frozensets) lists them."""
   tiles: tuple
   features: frozenset
-  alone: frozenset = frozenset()
+  combinations: frozenset = frozenset()
 
   def takes(self, *, bias: bool, mask: bool, softcap: bool, segment_ids: bool,
             bias_gradient: bool = False) -> bool:
@@ -73,7 +74,7 @@ class Kernel:
     wanted = (("bias", bias), ("mask", mask), ("softcap", softcap),
               ("segment_ids", segment_ids))
     used = {name for name, on in wanted if on}
-    return used <= self.features and (len(used) <= 1 or not used & self.alone)
+    return used <= self.features and (len(used) <= 1 or used in self.combinations)
 
   def tile_for(self, head_dim: int):
     """The tile of the smallest compiled head dim that covers `head_dim`; of a forward's
@@ -90,8 +91,12 @@ def _dtype(name: str) -> np.dtype:
 
 
 def _kernel(entry: dict, tile_type) -> Kernel:
+  combinations = frozenset(frozenset(c) for c in entry.get("feature_combinations", ()))
+  if any(not c <= frozenset(entry["features"]) for c in combinations):
+    raise ImportError("kernel_configs.json: a feature combination names a feature its kernel "
+                      "does not list")
   return Kernel(tuple(tile_type(**row) for row in entry["tiles"]), frozenset(entry["features"]),
-                frozenset(entry.get("features_alone", ())))
+                combinations)
 
 
 CPU_DTYPES = tuple(_dtype(d) for d in _TABLE["cpu"]["dtypes"])

@@ -31,10 +31,12 @@ def capabilities() -> dict:
           "tiles": [t.__dict__ for t in _config.SM90_FORWARD_TILES],
           "backward_tiles": [t.__dict__ for t in _config.SM90_BACKWARD_TILES],
           # Calls with arrays a kernel does not read run on the blockwise JAX path, and so do
-          # calls combining a feature a kernel takes only alone with another.
+          # calls combining features in a way a kernel does not list.
           "kernel_features": {"forward": sorted(_config.SM90_FORWARD.features),
                               "backward": sorted(_config.SM90_BACKWARD.features)},
-          "kernel_features_alone": {"forward": sorted(_config.SM90_FORWARD.alone),
-                                    "backward": sorted(_config.SM90_BACKWARD.alone)},
+          "kernel_feature_combinations": {
+              pass_: sorted(sorted(c) for c in kernel.combinations)
+              for pass_, kernel in (("forward", _config.SM90_FORWARD),
+                                    ("backward", _config.SM90_BACKWARD))},
       },
   }

@@ -5,17 +5,17 @@ case so that the cases run in parallel and a slow one is named).
     python tests/_sanitizer_driver.py [CASE_INDEX ...]   (default: every case)
 
 Cases, for each compiled head dim: causal and not, a local window, ragged query and key/value
-lengths (zero and past the end included), mostly empty batch items over a grid where every
-CTA walks several tiles, grouped-query heads, sizes that are not multiples of any tile, every
-compiled dtype, the backward's ordered (deterministic) dQ reduction, logit soft-capping
-(its own instantiation of each tile; causal, ragged) and segment ids (sorted and not; their
-own instantiations, with and without soft-capping) and mask arrays (their own instantiations
-on each head dim's default tile: empty, full and partial blocks, per head with grouped heads,
-and under the ordered dQ reduction, which visits the empty ones) and bias arrays (their own
-instantiations on the default tiles: per head and batch item with grouped heads and odd key
-counts, read element by element; broadcast over queries, read in pairs; patches of the lowest
-value and -inf, whose blocks are skipped, under the ordered dQ reduction, which visits them;
-their gradient, element by element and summed over the queries).
+lengths (zero and past the end included), mostly empty batch items over a grid where every CTA walks
+several tiles, grouped-query heads, sizes that are not multiples of any tile, every compiled dtype,
+the backward's ordered (deterministic) dQ reduction, logit soft-capping (its own instantiation of
+each tile; causal, ragged) and segment ids (sorted and not; their own instantiations, with and
+without soft-capping) and mask arrays (their own instantiations on each head dim's default tile:
+empty, full and partial blocks, per head with grouped heads, and soft-capped under the ordered dQ
+reduction, which visits the empty ones) and bias arrays (their own instantiations on the default
+tiles: per head and batch item with grouped heads and odd key counts, read element by element;
+broadcast over queries, read in pairs; patches of the lowest value and -inf, whose blocks are
+skipped, under the ordered dQ reduction, which visits them; their gradient, element by element and
+summed over the queries).
 A head dim with several forward tiles runs its causal, segment-id and few-row cases (decoding
 among them) on the tile that prefers them (kernel_configs.json) and the others on its default.
 Each case also runs the gradients (the backward's kernels). Every output and gradient is
@@ -76,8 +76,12 @@ def cases():
     if "mask" in _config.SM90_FORWARD.features | _config.SM90_BACKWARD.features:
       yield dict(H=H, dtype=dtypes[i % len(dtypes)], is_causal=True, window=None,
                  lengths="ragged", mask="patches")
+      # With soft-capping where the kernels combine the two.
+      capped = all(frozenset({"softcap", "mask"}) in kernel.combinations
+                   for kernel in (_config.SM90_FORWARD, _config.SM90_BACKWARD))
       yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=False, window=None,
-                 lengths=None, mask="patches", deterministic=True)
+                 lengths=None, mask="patches", deterministic=True,
+                 softcap=4.0 if capped else None)
     if "bias" in _config.SM90_FORWARD.features | _config.SM90_BACKWARD.features:
       yield dict(H=H, dtype=dtypes[i % len(dtypes)], is_causal=True, window=None,
                  lengths="ragged", bias="BNTS")

@@ -33,14 +33,15 @@ def _config_of(**options):
 def test_gpu_routing_of_bias_arrays():
   """A bias of the inputs' dtype runs on both Hopper kernels (they list "bias"), and the
   backward computes its gradient (it lists "bias_gradient"); a bias of another dtype, or with
-  another feature (bias is taken alone), runs blockwise."""
+  another feature (no feature combination lists bias), runs blockwise."""
   q = jnp.zeros((1, 4, 2, 8), jnp.bfloat16)
   route = functools.partial(_primitive._on_gpu_kernel, kernel_call="kernel",
                             blockwise_call="blockwise", q=q, mask=None, q_seg=None)
   plain, capped = _config_of(), _config_of(logits_soft_cap=5.0)
   bias = jnp.zeros((1, 1, 4, 4), jnp.bfloat16)
   for kernel in (_config.SM90_FORWARD, _config.SM90_BACKWARD):
-    assert {"bias"} <= kernel.features and "bias" in kernel.alone
+    assert {"bias"} <= kernel.features
+    assert not any("bias" in combination for combination in kernel.combinations)
     assert route(kernel, config=plain, bias=bias) == "kernel"
     assert route(kernel, config=plain, bias=bias.astype(jnp.float32)) == "blockwise"
     assert route(kernel, config=capped, bias=bias) == "blockwise"

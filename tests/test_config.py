@@ -31,9 +31,9 @@ def test_capabilities_agree_with_the_table():
   assert caps["gpu"]["kernel_features"] == {
       "forward": sorted(_config.SM90_FORWARD.features),
       "backward": sorted(_config.SM90_BACKWARD.features)}
-  assert caps["gpu"]["kernel_features_alone"] == {
-      "forward": sorted(_config.SM90_FORWARD.alone),
-      "backward": sorted(_config.SM90_BACKWARD.alone)}
+  assert caps["gpu"]["kernel_feature_combinations"] == {
+      "forward": sorted(sorted(c) for c in _config.SM90_FORWARD.combinations),
+      "backward": sorted(sorted(c) for c in _config.SM90_BACKWARD.combinations)}
   assert str(_config.GPU_MAX_HEAD_DIM) in caps["gpu"]["head_dims"]
   assert str(_config.GPU_HEAD_DIM_MULTIPLE) in caps["gpu"]["head_dims"]
 
@@ -48,8 +48,8 @@ def test_config_module_reads_the_json_table():
     assert list(kernel.tiles) == [type(t)(**row) for t, row in zip(kernel.tiles, entry["tiles"])]
     assert len(kernel.tiles) == len(entry["tiles"])
     assert kernel.features == frozenset(entry["features"])
-    assert kernel.alone == frozenset(entry.get("features_alone", ()))
-    assert kernel.alone <= kernel.features
+    assert kernel.combinations == {frozenset(c) for c in entry.get("feature_combinations", ())}
+    assert all(len(c) == 2 and c <= kernel.features for c in kernel.combinations)
   assert _config.GPU_MAX_HEAD_DIM == max(row["head_dim"] for row in table["sm90"]["forward"]["tiles"])
 
 
@@ -68,13 +68,17 @@ def test_kernel_features_route_calls():
   packing = _config.Kernel(tiles=(), features=frozenset({"segment_ids"}))
   assert packing.takes(**dict(plain, segment_ids=True))
   assert not packing.takes(**dict(plain, softcap=True, segment_ids=True))
-  # A feature taken only alone: with any other, the call goes elsewhere.
+  # Two features together only where a combination lists them; three never.
   masking = _config.Kernel(tiles=(), features=frozenset({"mask", "softcap", "segment_ids"}),
-                           alone=frozenset({"mask"}))
+                           combinations=frozenset({frozenset({"softcap", "segment_ids"})}))
   assert masking.takes(**dict(plain, mask=True))
   assert masking.takes(**dict(plain, softcap=True, segment_ids=True))
   assert not masking.takes(**dict(plain, mask=True, softcap=True))
   assert not masking.takes(**dict(plain, mask=True, segment_ids=True))
+  both = _config.Kernel(tiles=(), features=masking.features, combinations=frozenset(
+      {frozenset({"softcap", "segment_ids"}), frozenset({"softcap", "mask"})}))
+  assert both.takes(**dict(plain, mask=True, softcap=True))
+  assert not both.takes(**dict(plain, mask=True, softcap=True, segment_ids=True))
   # A bias whose gradient is wanted needs a kernel that computes it.
   assert not kernel.takes(**dict(plain, bias=True, bias_gradient=True))
   differentiating = _config.Kernel(tiles=(), features=frozenset({"bias", "bias_gradient"}))

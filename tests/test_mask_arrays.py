@@ -116,13 +116,14 @@ def test_mask_tiles_capture_no_constants():
 
 
 def test_gpu_routing_of_mask_arrays():
-  """A mask array runs on the Hopper kernels alone ("features_alone"), and with soft-capping,
-  segment ids or a bias on the blockwise path; mask problems run on each head dim's default
-  forward tile."""
+  """A mask array runs on the Hopper kernels alone and with soft-capping ("feature_combinations",
+  Gemma 2's masks), with segment ids or a bias on the blockwise path; mask problems run on
+  each head dim's default forward tile."""
   for kernel in (_config.SM90_FORWARD, _config.SM90_BACKWARD):
     assert kernel.takes(bias=False, mask=True, softcap=False, segment_ids=False)
-    assert not kernel.takes(bias=False, mask=True, softcap=True, segment_ids=False)
+    assert kernel.takes(bias=False, mask=True, softcap=True, segment_ids=False)
     assert not kernel.takes(bias=False, mask=True, softcap=False, segment_ids=True)
+    assert not kernel.takes(bias=False, mask=True, softcap=True, segment_ids=True)
     assert not kernel.takes(bias=True, mask=True, softcap=False, segment_ids=False)
     assert kernel.takes(bias=False, mask=False, softcap=True, segment_ids=True)
   for head_dim in range(8, _config.GPU_MAX_HEAD_DIM + 1, 8):
@@ -144,7 +145,8 @@ def test_gpu_routing_of_mask_arrays():
 @pytest.mark.parametrize("platform", [GPU], indirect=True)
 def test_calls_with_mask_arrays_reach_the_kernels(platform):
   """On the GPU, forward and backward with a mask array compile to the Hopper kernels' calls
-  with the mask's block classes; with soft-capping too, to the blockwise path."""
+  with the mask's block classes, with soft-capping too; with segment ids too, to the blockwise
+  path."""
   q = jnp.zeros((1, 256, 2, 64), _config.GPU_DTYPES[0])
   mask = jnp.tril(jnp.ones((256, 256), bool))[None, None]
 
@@ -157,7 +159,10 @@ def test_calls_with_mask_arrays_reach_the_kernels(platform):
   text = hlo()
   assert "jax_flash_fwd" in text and "jax_flash_bwd" in text
   capped = hlo(logits_soft_cap=5.0)
-  assert "jax_flash_fwd" not in capped and "jax_flash_bwd" not in capped
+  assert "jax_flash_fwd" in capped and "jax_flash_bwd" in capped
+  ids = jnp.zeros((1, 256), jnp.int32)
+  packed = hlo(query_segment_ids=ids, key_value_segment_ids=ids)
+  assert "jax_flash_fwd" not in packed and "jax_flash_bwd" not in packed
 
 
 @pytest.mark.parametrize("platform", [GPU], indirect=True)
@@ -256,6 +261,19 @@ def test_gpu_mask_with_causal_window_and_lengths(platform):
   inp = dataclasses.replace(inp, mask=_patches(np.random.default_rng(2), inp.mask.shape))
   check_forward(case, platform, inp=inp)
   check_gradients(case, platform, inp=inp)
+
+
+@with_platform("platform,H,cap",
+               [pytest.param("gpu", H, cap, marks=pytest.mark.gpu, id=f"gpu-{H}-cap{cap:g}")
+                for H, cap in zip(_config.GPU_HEAD_DIMS, (5.0, 30.0, 50.0))])
+def test_gpu_mask_with_soft_capping(platform, H, cap):
+  """A mask array with soft-capped logits (Gemma 2's local and global masks under a cap), on
+  the kernels: per-head masks with dead rows, both dtypes, forward and gradients."""
+  for dtype in _config.GPU_DTYPES:
+    case, inp = _mask_case(H, dtype.name, "dead-rows")
+    case = dataclasses.replace(case, softcap=cap)
+    check_forward(case, platform, inp=inp)
+    check_gradients(case, platform, inp=inp, through_lse=True)
 
 
 @pytest.mark.parametrize("platform", [GPU], indirect=True)

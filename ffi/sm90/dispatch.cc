@@ -11,6 +11,19 @@
 namespace jax_flash::sm90 {
 namespace {
 
+constexpr KernelFeatures kForwardFeatures{kForwardTakesSoftcap,
+                                          kForwardTakesSegmentIds,
+                                          kForwardTakesMask,
+                                          kForwardTakesBias,
+                                          kForwardTakesSoftcapWithSegmentIds,
+                                          kForwardTakesSoftcapWithMask};
+constexpr KernelFeatures kBackwardFeatures{kBackwardTakesSoftcap,
+                                           kBackwardTakesSegmentIds,
+                                           kBackwardTakesMask,
+                                           kBackwardTakesBias,
+                                           kBackwardTakesSoftcapWithSegmentIds,
+                                           kBackwardTakesSoftcapWithMask};
+
 bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 //! What both passes require of the problem and of the buffers they read and write.
@@ -29,8 +42,8 @@ bool DenseSegmentOperands(const ForwardParams& p) {
   return true;
 }
 
-Status CheckProblem(const ForwardParams& p, const char* pass, bool takes_bias, bool takes_mask,
-                    bool takes_segment_ids, int max_head_dim,
+Status CheckProblem(const ForwardParams& p, const char* pass, const KernelFeatures& features,
+                    int max_head_dim,
                     std::initializer_list<const Operand*> tensors) {
   const AttentionShape& s = p.shape;
   if (s.dtype != ElementType::kBFloat16 && s.dtype != ElementType::kFloat16) {
@@ -38,10 +51,11 @@ Status CheckProblem(const ForwardParams& p, const char* pass, bool takes_bias, b
         "jax_flash: the Hopper kernels take bfloat16 or float16 inputs, got dtype id " +
         std::to_string(static_cast<int>(s.dtype)));
   }
-  if ((p.bias.present() && !takes_bias) || (p.mask.present() && !takes_mask)) {
+  if (!takes_features(p, features)) {
     return Status::InvalidArgument(std::string("jax_flash: the Hopper ") + pass +
-                                   " kernel takes no bias or mask arrays (jax_flash routes those "
-                                   "calls to its blockwise path)");
+                                   " kernel does not take this call's soft-capping, segment ids "
+                                   "or mask or bias array, or not in this combination (jax_flash "
+                                   "routes such calls to its blockwise path)");
   }
   if (p.mask.present() && !p.mask_blocks.present()) {
     return Status::InvalidArgument("jax_flash: the Hopper kernels need the mask's block classes "
@@ -51,23 +65,10 @@ Status CheckProblem(const ForwardParams& p, const char* pass, bool takes_bias, b
     return Status::InvalidArgument("jax_flash: the Hopper kernels need the bias's block classes "
                                    "(bias_blocks) with a bias array");
   }
-  if ((p.mask.present() || p.bias.present()) &&
-      (p.mask.present() + p.bias.present() > 1 || p.options.softcap > 0 ||
-       p.q_segment_ids.present())) {
-    return Status::InvalidArgument(std::string("jax_flash: the Hopper ") + pass +
-                                   " kernel takes a mask or bias array alone, without "
-                                   "soft-capping, segment ids or the other array (jax_flash "
-                                   "routes those calls to its blockwise path)");
-  }
   const bool segments = p.q_segment_ids.present();
   if (segments != p.kv_segment_ids.present() || segments != p.kv_span.present() ||
       segments != p.q_span.present()) {
     return Status::InvalidArgument("jax_flash: segment ids and their spans come together");
-  }
-  if (segments && !takes_segment_ids) {
-    return Status::InvalidArgument(std::string("jax_flash: the Hopper ") + pass +
-                                   " kernel takes no segment ids (jax_flash routes those calls "
-                                   "to its blockwise path)");
   }
   if (segments && !DenseSegmentOperands(p)) {
     return Status::InvalidArgument("jax_flash: the Hopper kernels need dense segment ids and "
@@ -100,8 +101,7 @@ Status CheckBackward(const BackwardParams& p) {
                                    "(jax_flash routes calls that need dbias to its blockwise "
                                    "path)");
   }
-  return CheckProblem(f, "backward", kBackwardTakesBias, kBackwardTakesMask,
-                      kBackwardTakesSegmentIds, kBackwardMaxHeadDim,
+  return CheckProblem(f, "backward", kBackwardFeatures, kBackwardMaxHeadDim,
                       {&f.q, &f.k, &f.v, &f.out, &p.dout, &p.dq, &p.dk, &p.dv});
 }
 
@@ -160,8 +160,7 @@ BackwardWorkspaceLayout MakeBackwardLayout(const AttentionShape& s, int64_t bloc
 }  // namespace
 
 Status RunForward(const ForwardParams& params, const LaunchContext& context) {
-  Status status = CheckProblem(params, "forward", kForwardTakesBias, kForwardTakesMask,
-                               kForwardTakesSegmentIds, kForwardMaxHeadDim,
+  Status status = CheckProblem(params, "forward", kForwardFeatures, kForwardMaxHeadDim,
                                {&params.q, &params.k, &params.v, &params.out});
   if (!status.ok()) return status;
   // Tiles are listed by ascending head dim: the first head dim that covers the problem's runs

@@ -38,6 +38,40 @@ struct BackwardWorkspaceLayout {
   int64_t bytes = 0;
 };
 
+//! The optional features a pass's kernels take (kernel_configs.json "features" and
+//! "feature_combinations", as the generated sm90_tiles.h states them).
+struct KernelFeatures {
+  bool softcap = false;
+  bool segment_ids = false;
+  bool mask = false;
+  bool bias = false;
+  bool softcap_with_segment_ids = false;
+  bool softcap_with_mask = false;
+};
+
+//! Whether kernels taking `features` run the call: each feature it uses is taken, alone or,
+//! for two, in a listed combination (soft-capping with segment ids or with a mask array).
+inline bool takes_features(const ForwardParams& p, const KernelFeatures& features) {
+  const bool softcap = p.options.softcap > 0;
+  const bool segments = p.q_segment_ids.present();
+  const bool mask = p.mask.present();
+  const bool bias = p.bias.present();
+  if ((softcap && !features.softcap) || (segments && !features.segment_ids) ||
+      (mask && !features.mask) || (bias && !features.bias)) {
+    return false;
+  }
+  switch (int(softcap) + int(segments) + int(mask) + int(bias)) {
+    case 0:
+    case 1:
+      return true;
+    case 2:
+      return softcap && ((segments && features.softcap_with_segment_ids) ||
+                         (mask && features.softcap_with_mask));
+    default:
+      return false;
+  }
+}
+
 //! Elements of the dbias result (and of its float32 accumulator); 0 when it is not wanted.
 inline int64_t bias_gradient_elements(const BackwardParams& params) {
   const Operand& dbias = params.dbias;

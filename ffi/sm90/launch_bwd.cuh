@@ -224,7 +224,8 @@ Status RunBackwardTile(const BackwardParams& params, const BackwardWorkspaceLayo
   // softcap.h recovers tanh from P and the lse, which a bias would shift: with_features
   // never instantiates the two together (a bias is taken alone).
   return with_features<kBackwardTakesSoftcap, kBackwardTakesSegmentIds, kBackwardTakesMask,
-                       kBackwardTakesBias>(
+                       kBackwardTakesBias, kBackwardTakesSoftcapWithSegmentIds,
+                       kBackwardTakesSoftcapWithMask>(
       params.fwd, [&](auto softcap, auto segments, auto mask, auto bias) {
         return launch_backward<BackwardKernelTraits<Element, kTileHeadDim, decltype(softcap)::value,
                                                     decltype(segments)::value,

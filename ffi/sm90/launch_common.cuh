@@ -242,41 +242,42 @@ inline Status make_schedule(int64_t num_blocks, int64_t num_heads, int64_t num_h
 }
 
 //! Calls launch(softcap, segments, mask, bias) with the compile-time features the call uses,
-//! each an std::bool_constant: a kernel is instantiated for every combination of soft-capping
-//! and segment ids the pass takes (kTakesSoftcap, kTakesSegments from kernel_configs.json) and,
-//! with kTakesMask and kTakesBias, for the mask array alone and the bias array alone. A call
-//! with an array the instantiations lack, or with an array and another feature, is an error
-//! (dispatch routes none here).
+//! each an std::bool_constant. A kernel is instantiated for each feature the pass takes alone
+//! (kernel_configs.json, through sm90_tiles.h) and for soft-capping together with segment ids
+//! or with a mask array where the pass lists that combination. A call the instantiations do not
+//! cover is an error (dispatch routes none here).
 template <bool kTakesSoftcap, bool kTakesSegments, bool kTakesMask, bool kTakesBias,
-          class Launch>
+          bool kSoftcapWithSegments, bool kSoftcapWithMask, class Launch>
 Status with_features(const ForwardParams& p, Launch&& launch) {
   using Off = std::false_type;
   using On = std::true_type;
-  const bool arrays = p.mask.present() || p.bias.present();
-  if (arrays && (p.mask.present() + p.bias.present() > 1 || p.options.softcap > 0 ||
-                 p.q_segment_ids.present())) {
-    return Status::InvalidArgument("jax_flash: the Hopper kernels take a mask or bias array "
-                                   "alone, without soft-capping, segment ids or the other array");
+  if (!takes_features(p, {kTakesSoftcap, kTakesSegments, kTakesMask, kTakesBias,
+                          kSoftcapWithSegments, kSoftcapWithMask})) {
+    return Status::InvalidArgument("jax_flash: this Hopper tile is not compiled for the call's "
+                                   "combination of soft-capping, segment ids and mask or bias "
+                                   "arrays");
   }
-  if (p.mask.present()) {
-    if constexpr (kTakesMask) return launch(Off{}, Off{}, On{}, Off{});
-  } else if (p.bias.present()) {
-    if constexpr (kTakesBias) return launch(Off{}, Off{}, Off{}, On{});
-  }
-  if (arrays) {
-    return Status::InvalidArgument("jax_flash: this Hopper tile is not compiled for mask or "
-                                   "bias arrays (they run on each head dim's default tile)");
-  }
-  auto with_segments = [&](auto softcap) {
-    if constexpr (kTakesSegments) {
-      if (p.q_segment_ids.present()) return launch(softcap, On{}, Off{}, Off{});
+  // takes_features has checked that soft-capping combines with what the call uses.
+  auto with_softcap = [&](auto segments, auto mask, auto bias, auto combines) {
+    if constexpr (kTakesSoftcap && decltype(combines)::value) {
+      if (p.options.softcap > 0) return launch(On{}, segments, mask, bias);
     }
-    return launch(softcap, Off{}, Off{}, Off{});
+    return launch(Off{}, segments, mask, bias);
   };
-  if constexpr (kTakesSoftcap) {
-    if (p.options.softcap > 0) return with_segments(std::true_type{});
+  if constexpr (kTakesBias) {
+    if (p.bias.present()) return launch(Off{}, Off{}, Off{}, On{});
   }
-  return with_segments(std::false_type{});
+  if constexpr (kTakesMask) {
+    if (p.mask.present()) {
+      return with_softcap(Off{}, On{}, Off{}, std::bool_constant<kSoftcapWithMask>{});
+    }
+  }
+  if constexpr (kTakesSegments) {
+    if (p.q_segment_ids.present()) {
+      return with_softcap(On{}, Off{}, Off{}, std::bool_constant<kSoftcapWithSegments>{});
+    }
+  }
+  return with_softcap(Off{}, Off{}, Off{}, On{});
 }
 
 //! Raises the kernel's dynamic shared memory limit and launches it on the context's stream.

@@ -88,7 +88,8 @@ Status RunForwardTile(const ForwardParams& params, const LaunchContext& context)
   // mask's blocks (one instantiation each instead of one per tile).
   constexpr bool kDefault = is_default_forward_tile(kTileHeadDim, kTileBlockM);
   return with_features<kForwardTakesSoftcap, kForwardTakesSegmentIds, kForwardTakesMask && kDefault,
-                       kForwardTakesBias && kDefault>(
+                       kForwardTakesBias && kDefault, kForwardTakesSoftcapWithSegmentIds,
+                       kForwardTakesSoftcapWithMask>(
       params, [&](auto softcap, auto segments, auto mask, auto bias) {
         return launch_forward<ForwardKernelTraits<Element, kTileHeadDim, kTileBlockM,
                                                   decltype(softcap)::value,

@@ -8,7 +8,8 @@
     The backward needs tanh'(x / cap) = 1 - t^2 with t = z / cap where it forms dS; rather than
     keeping a second register tile of t, it recovers t from P and the log-sum-exp:
     log2 P = z * log2 e - lse * log2 e. That holds because these kernels add no bias (a bias
-    would be in log2 P too); launch_bwd.cuh asserts it.
+    would be in log2 P too; with_features never instantiates the two together). A mask array
+    keeps it: masked logits have P = 0, where the factor is clamped to 0.
 */
 #pragma once
 
