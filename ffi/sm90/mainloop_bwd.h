@@ -470,7 +470,9 @@ struct BackwardMainloop {
       // P^T = exp2(S^T * scale * log2(e) - lse * log2(e)), from the saved log-sum-exp, with
       // S^T capped or biased, and masked, as in the forward.
       Tensor s = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
-      if constexpr (Traits::kSoftcap) params.softcap.apply(s);
+      if constexpr (Traits::kSoftcap) {
+        params.softcap.template apply<kSoftcapReciprocalOnFma<kHeadDim>>(s);
+      }
       if constexpr (Traits::kBias) {
         mask.add_bias(s, bias, problem.bias.col_stride, problem.bias.row_stride,
                       /*paired=*/false, params.inv_scale, info.n_start(), problem.seqlen_k,

@@ -281,7 +281,9 @@ struct ForwardMainloop {
 
     // The cap and the bias come before masking: masked logits must end at -inf.
     auto cap_bias_and_mask = [&](int n_block, MaskBlock cls) {
-      if constexpr (Traits::kSoftcap) params.softcap.apply(s);
+      if constexpr (Traits::kSoftcap) {
+        params.softcap.template apply<kSoftcapReciprocalOnFma<Traits::kHeadDim>>(s);
+      }
       if constexpr (Traits::kBias) {
         mask.add_bias(s, info.bias, problem.bias.row_stride, problem.bias.col_stride,
                       problem.bias.paired, params.inv_scale, info.m_start(), problem.seqlen_q,

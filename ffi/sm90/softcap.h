@@ -19,12 +19,29 @@
 
 namespace jax_flash::sm90 {
 
-//! 1/x on the special-function unit (rcp.approx, about 1 ulp).
+//! 1/x on the special-function unit (rcp.approx, about 1 ulp; 1/inf = 0).
 CUTE_DEVICE float fast_rcp(float x) {
   float y;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+
+//! 1/x for x in [1, 2] on the FMA units: a minimax quadratic (relative error 1.0e-2), then two
+//! Newton steps (1e-8, below float rounding).
+CUTE_DEVICE float reciprocal_one_to_two(float x) {
+  float r = fmaf(fmaf(0.32323197f, x, -1.45454437f), x, 2.12121134f);
+  r = fmaf(r, fmaf(-x, r, 1.f), r);
+  return fmaf(r, fmaf(-x, r, 1.f), r);
+}
+
+//! Whether tiles of this head dim compute the cap's reciprocal on the FMA units. The softmax's
+//! own exp2 already loads the special-function unit (SFU) by one op per logit, and at head dim
+//! 64 a logit's products take half the tensor-core time they take at 128: there the SFU sets
+//! the pace, and six FMAs in place of its rcp ran faster (H200, bf16, T = 4096: forward 0.49
+//! of the uncapped speed against 0.45). From head dim 128 on, instruction issue binds first and
+//! the SFU's rcp is the cheaper choice (0.63 against 0.59).
+template <int kHeadDim>
+inline constexpr bool kSoftcapReciprocalOnFma = kHeadDim <= 64;
 
 //! log2(x) on the special-function unit (lg2.approx); log2(0) = -inf.
 CUTE_DEVICE float fast_log2(float x) {
@@ -44,18 +61,25 @@ struct LogitSoftcap {
     return {-2.f * kLog2e * scale / cap, 2.f * cap / scale, cap / scale, 1.f / (cap * kLog2e)};
   }
 
-  //! Caps every raw product of `s` in place: tanh|y| = 2 / (1 + e) - 1 with e = exp(-2|y|),
-  //! on two special-function ops (ex2, rcp) and three others, since the softmax is bound by
-  //! instruction issue. Absolute error of tanh about 2.4e-7 (two ulp of ex2, one of rcp), so
-  //! the capped logit errs by about cap * 2.4e-7 at most; tanh.approx.f32 (2^-11 relative)
-  //! would shift probabilities by percents at caps like 50, and a Newton-refined reciprocal
-  //! with a series for small arguments (1e-6 relative) ran at half the uncapped speed.
-  template <class TensorS>
+  //! Caps every raw product of `s` in place, with tanh's absolute error about 2.4e-7 (two ulp
+  //! of ex2, one of the reciprocal), so the capped logit errs by about cap * 2.4e-7 at most;
+  //! tanh.approx.f32 (2^-11 relative) would shift probabilities by percents at caps like 50.
+  //! kReciprocalOnFma (kSoftcapReciprocalOnFma) picks the unit of the reciprocal:
+  //! - on the FMA units, tanh|y| = 2 / (1 + e) - 1 with e = exp(-2|y|), so the divisor stays
+  //!   in [1, 2]: one SFU op and ten others per logit;
+  //! - on the SFU, tanh y = 1 - 2 / (1 + exp(2y)), the sign included (exp2 overflows to +inf
+  //!   for large y, whose reciprocal is 0): two SFU ops and three others.
+  template <bool kReciprocalOnFma, class TensorS>
   CUTE_DEVICE void apply(TensorS& s) const {
     CUTE_UNROLL
     for (int i = 0; i < size(s); ++i) {
-      const float r = fast_rcp(1.f + fast_exp2(fabsf(s(i)) * exp2_per_raw));
-      s(i) = copysignf(fmaf(two_from_tanh, r, -from_tanh), s(i));
+      if constexpr (kReciprocalOnFma) {
+        const float r = reciprocal_one_to_two(1.f + fast_exp2(fabsf(s(i)) * exp2_per_raw));
+        s(i) = copysignf(fmaf(two_from_tanh, r, -from_tanh), s(i));
+      } else {
+        const float r = fast_rcp(1.f + fast_exp2(s(i) * -exp2_per_raw));
+        s(i) = fmaf(-two_from_tanh, r, from_tanh);
+      }
     }
   }
 
