@@ -5,7 +5,8 @@ Two families of one shape (B, T = S, N, H), timed in one process:
   causal family   causal attention expressed three ways, for jax_flash and for
                   jax.nn.dot_product_attention(implementation='cudnn'):
                     causal         is_causal=True
-                    causal_mask    mask = tril, a (1, 1, T, S) boolean array
+                    causal_mask    mask = tril, a (1, 1, T, S) boolean array (Flax's
+                                   make_causal_mask)
                     causal_bias    bias = 0 on and below the diagonal, the dtype's lowest value
                                    above, a (1, 1, T, S) array
   padding family  keys past a per-item length (T, 3T/4, T/2, T/4, ... cycling) dropped:
@@ -46,6 +47,7 @@ Writes masks_<platform>.json and masks_<platform>.png under --out (default bench
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -97,28 +99,35 @@ def build(impl: str, way: str, args, mode: str):
   tril = jnp.tril(jnp.ones((T, T), bool))[None, None]
   lengths = jnp.asarray(lengths_of(B, T), jnp.int32)
   ids = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) // args.doc_len, (B, T))
+  # Masks are built inside the timed program from positions, lengths or ids, as a Flax model
+  # builds them (make_causal_mask, make_attention_mask).
   options = {
       "causal": dict(is_causal=True),
-      "causal_mask": dict(mask=tril),
+      "causal_mask": dict(mask=lambda: jnp.tril(jnp.ones((T, T), bool))[None, None]),
       "causal_bias": dict(bias=jnp.where(tril, 0, jnp.finfo(args.dtype).min).astype(args.dtype)),
       "lengths": dict(key_value_seq_lengths=lengths),
-      "padding_mask": dict(mask=(jnp.arange(T) < lengths[:, None])[:, None, None]),
+      "padding_mask": dict(mask=lambda: (jnp.arange(T) < lengths[:, None])[:, None, None]),
       "segment_ids": dict(is_causal=True, query_segment_ids=ids, key_value_segment_ids=ids),
-      "document_mask": dict(is_causal=True, mask=(ids[:, :, None] == ids[:, None, :])[:, None]),
+      "document_mask": dict(is_causal=True,
+                            mask=lambda: (ids[:, :, None] == ids[:, None, :])[:, None]),
       "head_bias": {},
       "capped_causal": dict(is_causal=True, logits_soft_cap=SOFTCAP),
-      "capped_causal_mask": dict(mask=tril, logits_soft_cap=SOFTCAP),
+      "capped_causal_mask": dict(mask=lambda: jnp.tril(jnp.ones((T, T), bool))[None, None],
+                                 logits_soft_cap=SOFTCAP),
   }[way]
   # Differentiated operands: q, k, v and, for the learned bias, the bias.
   primals = (q, k, v)
   if way == "head_bias":
     primals += (jax.random.normal(keys[4], (1, N, T, T), args.dtype),)
   if impl == "jax_flash":
-    attention = lambda *p: jax_flash.dot_product_attention(*p, **options)
+    call = jax_flash.dot_product_attention
   elif impl == "cudnn":
-    attention = lambda *p: jax.nn.dot_product_attention(*p, implementation="cudnn", **options)
+    call = functools.partial(jax.nn.dot_product_attention, implementation="cudnn")
   else:
     raise ValueError(f"unknown implementation {impl!r}")
+
+  def attention(*p):
+    return call(*p, **{k: v() if callable(v) else v for k, v in options.items()})
   if mode == "fwd":
     return jax.jit(attention), primals
 

@@ -10,10 +10,12 @@ the class of every block of the bias for the pass's tile (`_bias_tiles`: 0 where
 drops every logit of the block, which the kernels skip), and [dbias] is returned where the
 bias is differentiated (attribute has_dbias; the custom_vjp knows it from symbolic zeros).
 
-where [mask_tiles], passed to the Hopper kernels with a mask (attribute has_mask_blocks), is
-two operands (`_mask_tiles`): the class of every (query block, key block) of the mask for the
-pass's tile (0 when the block keeps no logit, 2 when it keeps all, 1 otherwise) and the mask
-packed as bits along the pass's rows (queries forward, keys backward). The kernels skip the
+where [mask_tiles], passed to the Hopper kernels in place of a mask (attribute
+has_mask_blocks; [mask] goes to the CPU kernels), is two operands (`_mask_tiles`): the class of
+every (query block, key block) of the mask for the pass's tile (0 when the block keeps no
+logit, 2 when it keeps all, 1 otherwise) and the mask packed as bits along the pass's rows
+(queries forward, keys backward). A mask the program computes (from segment ids, from
+positions) then fuses into those reductions and is never stored. The kernels skip the
 empty blocks and read the bits only in the partial ones, so a causal, padding or document
 mask costs little more than the structured arguments would.
 
@@ -225,13 +227,16 @@ def _mask_bits(mask, T, S, rows_are_keys):
 
 def _mask_tiles(mask, tile, T, S, rows_are_keys):
   """The Hopper pass's mask operands [mask_blocks, mask_bits] for its tile (rows: queries in
-  the forward, keys in the backward); none without a mask. Computed on the device, not folded
-  into constants: for a mask built from shapes alone (causal, Flax's make_causal_mask) XLA
-  would otherwise fold these reductions at compile time, seconds per million blocks' elements,
-  where the device takes microseconds."""
+  the forward, keys in the backward), which the Hopper calls take in place of the mask; none
+  without a mask. Computed on the device, not folded into constants: for a mask built from
+  shapes alone (causal, Flax's make_causal_mask) XLA would otherwise fold these reductions at
+  compile time, seconds per million blocks' elements, where the device takes microseconds."""
   if mask is None:
     return []
-  mask = lax.optimization_barrier(mask)
+  # An opaque false keeps these reductions off the constants while the mask's own producer
+  # (positions compared, segment ids compared) still fuses into them: the FFI calls take the
+  # mask only through these operands, so a mask built in the program is never stored.
+  mask = mask | lax.optimization_barrier(jnp.zeros((), bool))
   bits = _mask_bits(mask, T, S, rows_are_keys)
   blocks = _mask_blocks_from_bits(mask, bits, tile, rows_are_keys)
   return [_mask_blocks(mask, tile) if blocks is None else blocks, bits]
@@ -279,6 +284,7 @@ def _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, *, 
   if gpu_tile is not None:
     tiles = _mask_tiles(mask, gpu_tile, T, k.shape[-3], rows_are_keys=False)
     bias_tiles = _bias_tiles(bias, gpu_tile)
+    mask = None  # taken as its tiles
   operands = (q, k, v, *_present(bias), *bias_tiles, *_present(mask), *tiles,
               *_present(q_len, kv_len), *_segments(q_seg, kv_seg))
   results = call(*operands, **_attributes(config, bias, bias_tiles, mask, tiles, q_len, kv_len,
@@ -316,6 +322,7 @@ def _backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_
     tile = _config.SM90_BACKWARD.tile_for(q.shape[-1])
     tiles = _mask_tiles(mask, tile, q.shape[-3], k.shape[-3], rows_are_keys=True)
     bias_tiles = _bias_tiles(bias, tile)
+    mask = None  # taken as its tiles
   operands = (q, k, v, out, lse, dout, dlse, *_present(bias), *bias_tiles, *_present(mask),
               *tiles, *_present(q_len, kv_len), *_segments(q_seg, kv_seg))
   grads = _varying.varying_like(

@@ -167,9 +167,9 @@ def test_calls_with_mask_arrays_reach_the_kernels(platform):
 
 @pytest.mark.parametrize("platform", [GPU], indirect=True)
 def test_gpu_handler_checks_the_mask_operands(platform):
-  """The CUDA handler rejects a mask without its block classes and bits, classes of another
-  tile and bits of the other pass with an error naming them (the Python layer always passes
-  the right ones)."""
+  """The CUDA handler takes a mask as its block classes and bits, in place of the array, and
+  rejects the array, classes without bits, classes of another tile and bits of the other pass
+  with an error naming them (the Python layer always passes the right ones)."""
   from jax_flash import _extension
 
   _extension.ensure_registered()
@@ -184,16 +184,36 @@ def test_gpu_handler_checks_the_mask_operands(platform):
                           (jax.ShapeDtypeStruct(q.shape, dtype),
                            jax.ShapeDtypeStruct((1, 2, 256), jnp.float32)))
   attrs = dict(scale=np.float64(0.125), softcap=np.float64(0.0), window_left=np.int64(-1),
-               window_right=np.int64(-1), has_bias=False, has_bias_blocks=False, has_mask=True,
-               has_q_seqlens=False,
-               has_kv_seqlens=False, has_segment_ids=False, deterministic=False,
-               has_dbias=False)
-  jax.block_until_ready(call(q, q, q, mask, blocks, bits, has_mask_blocks=True, **attrs))
-  for operands, with_tiles, name in (((q, q, q, mask), False, "mask_blocks"),
-                                     ((q, q, q, mask, wrong_blocks, bits), True, "mask_blocks"),
-                                     ((q, q, q, mask, blocks, wrong_bits), True, "mask_bits")):
+               window_right=np.int64(-1), has_bias=False, has_bias_blocks=False,
+               has_q_seqlens=False, has_kv_seqlens=False, has_segment_ids=False,
+               deterministic=False, has_dbias=False)
+  jax.block_until_ready(call(q, q, q, blocks, bits, has_mask=False, has_mask_blocks=True,
+                             **attrs))
+  for operands, array, with_tiles, name in (
+      ((q, q, q, mask), True, False, "not as the array"),
+      ((q, q, q, mask, blocks, bits), True, True, "not both"),
+      ((q, q, q, wrong_blocks, bits), False, True, "mask_blocks"),
+      ((q, q, q, blocks, wrong_bits), False, True, "mask_bits")):
     with pytest.raises(jax.errors.JaxRuntimeError, match=name):
-      jax.block_until_ready(call(*operands, has_mask_blocks=with_tiles, **attrs))
+      jax.block_until_ready(call(*operands, has_mask=array, has_mask_blocks=with_tiles, **attrs))
+
+
+@pytest.mark.parametrize("platform", [GPU], indirect=True)
+def test_gpu_mask_built_in_the_program_is_not_stored(platform):
+  """A mask the program computes from segment ids reaches the Hopper calls only through its
+  block classes and bits, into whose reductions it fuses: the compiled program holds no
+  (B, 1, T, S) boolean buffer."""
+  ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 128)[None].repeat(2, 0)
+  q = jnp.zeros((2, 512, 2, 64), _config.GPU_DTYPES[0])
+
+  def loss(q, k, v, ids):
+    mask = (ids[:, :, None] == ids[:, None, :])[:, None]
+    out = jax_flash.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+    return jnp.sum(out.astype(jnp.float32))
+
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, q, q, ids).compile().as_text()
+  assert "jax_flash_fwd" in text and "jax_flash_bwd" in text
+  assert "pred[2,1,512,512]" not in text
 
 
 # --- the GPU -----------------------------------------------------------------------------------

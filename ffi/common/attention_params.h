@@ -7,8 +7,8 @@
       q, out, dq          (batch..., T, N, H)
       k, v, dk, dv        (batch..., S, K, H)       K divides N; kv head = n / (N / K)
       bias, mask, dbias   (batch..., N|1, T|1, S|1) any axis of extent 1 broadcasts
-      mask_blocks         (batch..., N|1, MB|1, SB|1) int8, broadcast like mask (see below)
-      mask_bits           (batch..., N|1, R|1, W)     uint32, broadcast like mask (see below)
+      mask_blocks         (batch..., N|1, MB|1, SB|1) int8, a mask's block classes (see below)
+      mask_bits           (batch..., N|1, R|1, W)     uint32, a mask's rows as bits (see below)
       lse, dlse           (batch..., N, T)
       q/kv seq lengths    (batch...)                 int32
       q/kv segment ids    (batch..., T|S)            int32
@@ -129,14 +129,14 @@ struct ForwardParams {
   //! below: 0 where the bias drops every logit of the block (jax_flash/_primitive.py,
   //! _bias_blocks), 1 otherwise.
   Operand bias_blocks;
-  Operand mask;        //!< optional, bool: true keeps the logit
-  //! Optional with a mask, together (the Hopper kernels need them, the CPU kernels read
-  //! neither): mask_blocks, the class of every (query block, key block) of the mask for the
-  //! pass's tile, 0 empty (no logit kept), 1 partial, 2 full, one block along an axis the mask
-  //! broadcasts; mask_bits, the mask's rows as bits (bit j % 32 of word j / 32 is column j,
-  //! W = ceil(columns / 32), every column's bit present), the rows being queries in the
-  //! forward and keys in the backward (the mask transposed), one row where the mask
-  //! broadcasts that axis.
+  Operand mask;        //!< optional, bool: true keeps the logit (the CPU kernels' form)
+  //! The Hopper kernels' form of a mask, in place of the array (so that XLA need not build a
+  //! mask it computes from segment ids or positions), together: mask_blocks, the class of
+  //! every (query block, key block) of the mask for the pass's tile, 0 empty (no logit kept),
+  //! 1 partial, 2 full, one block along an axis the mask broadcasts; mask_bits, the mask's rows
+  //! as bits (bit j % 32 of word j / 32 is column j, W = ceil(columns / 32), every column's bit
+  //! present), the rows being queries in the forward and keys in the backward (the mask
+  //! transposed), one row where the mask broadcasts that axis.
   Operand mask_blocks;
   Operand mask_bits;
   Operand q_seqlens;   //!< optional, int32

@@ -208,8 +208,10 @@ Status DescribeInputs(const AttentionAttrs& attrs, const BatchShape& batch,
   p->options.window_left = attrs.window_left;
   p->options.window_right = attrs.window_right;
 
-  if (attrs.has_mask_blocks && !attrs.has_mask) {
-    return Status::InvalidArgument("jax_flash: mask_blocks come only with a mask");
+  if (attrs.has_mask_blocks && attrs.has_mask) {
+    return Status::InvalidArgument("jax_flash: a mask comes as the array (the CPU kernels) or as "
+                                   "its block classes and bits (mask_blocks, mask_bits: the "
+                                   "Hopper kernels), not both");
   }
   if (attrs.has_bias_blocks && !attrs.has_bias) {
     return Status::InvalidArgument("jax_flash: bias_blocks come only with a bias");

@@ -9,7 +9,8 @@
       jax_flash_bwd(q, k, v, out, lse, dout, dlse, [bias], [bias_blocks], [mask], [mask_tiles],
                     [q_seqlens], [kv_seqlens], [segments]) -> (dq, dk, dv, [dbias], platform
                     results...)
-    where [mask_tiles] is the two operands mask_blocks, mask_bits (attribute has_mask_blocks)
+    where [mask_tiles] is the two operands mask_blocks, mask_bits (attribute has_mask_blocks),
+    the Hopper kernels' form of a mask, given in place of [mask] (the CPU kernels' form),
     and [segments] the four operands q_segment_ids, kv_segment_ids, kv_span, q_span. The
     bracketed operands are present in that order exactly when the matching has_* attribute
     is true; so is [dbias], with has_dbias (a backward whose bias is not differentiated leaves

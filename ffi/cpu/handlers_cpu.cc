@@ -19,11 +19,22 @@ class XlaTaskRunner final : public cpu::TaskRunner {
   mutable ffi::ThreadPool pool_;
 };
 
+//! The CPU kernels read a mask array itself: one given only as the Hopper kernels' block
+//! classes and bits is refused, not dropped.
+Status CheckMaskForm(const ForwardParams& p) {
+  if (p.mask_bits.present()) {
+    return Status::InvalidArgument("jax_flash: the CPU kernels take the mask array itself, not "
+                                   "its block classes and bits (mask_blocks, mask_bits)");
+  }
+  return Status::Ok();
+}
+
 ffi::Error ForwardCpu(ffi::ThreadPool pool, AttentionAttrs attrs, ffi::AnyBuffer q,
                       ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::RemainingArgs optional_args,
                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse) {
   ForwardParams params;
   Status status = MakeForwardParams(attrs, q, k, v, optional_args, out, lse, &params);
+  if (status.ok()) status = CheckMaskForm(params);
   if (!status.ok()) return ToFfiError(status);
   XlaTaskRunner runner(std::move(pool));
   return ToFfiError(cpu::RunForward(params, runner));
@@ -37,6 +48,7 @@ ffi::Error BackwardCpu(ffi::ThreadPool pool, AttentionAttrs attrs, ffi::AnyBuffe
   BackwardParams params;
   Status status = MakeBackwardParams(attrs, q, k, v, out, lse, dout, dlse, optional_args, dq, dk,
                                      dv, optional_rets, /*platform_rets=*/0, &params);
+  if (status.ok()) status = CheckMaskForm(params.fwd);
   if (!status.ok()) return ToFfiError(status);
   XlaTaskRunner runner(std::move(pool));
   return ToFfiError(cpu::RunBackward(params, runner));

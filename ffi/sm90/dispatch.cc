@@ -51,15 +51,16 @@ Status CheckProblem(const ForwardParams& p, const char* pass, const KernelFeatur
         "jax_flash: the Hopper kernels take bfloat16 or float16 inputs, got dtype id " +
         std::to_string(static_cast<int>(s.dtype)));
   }
+  if (p.mask.present() || p.mask_blocks.present() != p.mask_bits.present()) {
+    return Status::InvalidArgument("jax_flash: the Hopper kernels take a mask as its block "
+                                   "classes and bits together (mask_blocks, mask_bits), not as "
+                                   "the array");
+  }
   if (!takes_features(p, features)) {
     return Status::InvalidArgument(std::string("jax_flash: the Hopper ") + pass +
                                    " kernel does not take this call's soft-capping, segment ids "
                                    "or mask or bias array, or not in this combination (jax_flash "
                                    "routes such calls to its blockwise path)");
-  }
-  if (p.mask.present() && !p.mask_blocks.present()) {
-    return Status::InvalidArgument("jax_flash: the Hopper kernels need the mask's block classes "
-                                   "and bits (mask_blocks, mask_bits) with a mask array");
   }
   if (p.bias.present() && !p.bias_blocks.present()) {
     return Status::InvalidArgument("jax_flash: the Hopper kernels need the bias's block classes "
@@ -116,7 +117,7 @@ Status RunForwardForDtype(const ForwardParams& p, const LaunchContext& context) 
 //! none is its head dim's default, which runs every problem with a mask or bias array.
 bool ForwardTilePrefers(const ForwardParams& p, int64_t causal_up_to, bool segment_ids,
                         int64_t rows_up_to) {
-  if (p.mask.present() || p.bias.present()) return false;
+  if (p.mask_bits.present() || p.bias.present()) return false;
   const bool causal = p.options.window_right == 0;
   return (causal_up_to > 0 && causal && p.shape.seqlen_q <= causal_up_to) ||
          (segment_ids && p.q_segment_ids.present()) ||

@@ -54,7 +54,7 @@ struct KernelFeatures {
 inline bool takes_features(const ForwardParams& p, const KernelFeatures& features) {
   const bool softcap = p.options.softcap > 0;
   const bool segments = p.q_segment_ids.present();
-  const bool mask = p.mask.present();
+  const bool mask = p.mask_bits.present();
   const bool bias = p.bias.present();
   if ((softcap && !features.softcap) || (segments && !features.segment_ids) ||
       (mask && !features.mask) || (bias && !features.bias)) {

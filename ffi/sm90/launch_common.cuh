@@ -60,7 +60,7 @@ void coalesce_batch(const BatchShape& shape, const BatchMap* const (&maps)[kOper
 
 //! The block classes the kernels read: the mask's, else the bias's (absent without either).
 inline const Operand& block_classes(const ForwardParams& p) {
-  return p.mask.present() ? p.mask_blocks : p.bias_blocks;
+  return p.mask_bits.present() ? p.mask_blocks : p.bias_blocks;
 }
 
 //! The problem's sizes, visibility rule, segment ids, mask and bias arrays; the batch axes (of
@@ -87,7 +87,7 @@ inline AttentionProblem make_problem(const ForwardParams& p) {
   problem.segments.kv_span = rows(p.kv_span);
   problem.segments.q_span = rows(p.q_span);
   MaskArray& mask = problem.mask;
-  if (p.mask.present()) {
+  if (p.mask_bits.present()) {
     mask.bits = static_cast<const uint32_t*>(p.mask_bits.data);
     mask.item_stride = p.mask_bits.batch_stride;
     mask.head_stride = p.mask_bits.stride[0];
@@ -145,25 +145,36 @@ inline Status check_block_classes(const ForwardParams& p, const char* name, cons
   return check_companion(p, name, classes, ElementType::kInt8, blocks, what.c_str(), of, of_name);
 }
 
-//! Checks the mask array's operands for a pass whose rows are queries (or keys, with
-//! rows_are_keys) on a (block_m, block_n) tile: the block classes, and the bits one row per
-//! query (key) the mask holds and a bit per key (query), broadcast over batch and heads exactly
-//! where the mask is.
+//! Checks a mask's operands for a pass whose rows are queries (or keys, with rows_are_keys) on
+//! a (block_m, block_n) tile: the bits, one row per query (key) or one where the mask
+//! broadcasts them and a bit per key (query); the block classes, one per block of each axis
+//! the mask holds. The kernels take no mask array: the mask these describe holds heads and the
+//! rows' axis as the bits do, the columns' axis as the classes do (one block: broadcast).
 inline Status check_mask_operands(const ForwardParams& p, int block_m, int block_n,
                                   bool rows_are_keys) {
-  if (!p.mask.present()) return Status::Ok();
-  const Operand& m = p.mask;
+  if (!p.mask_bits.present()) return Status::Ok();
   const AttentionShape& s = p.shape;
-  Status status = check_block_classes(p, "mask_blocks", p.mask_blocks, m, "mask", block_m,
-                                      block_n);
-  if (!status.ok()) return status;
-  const int64_t rows = rows_are_keys ? m.extent[2] : m.extent[1];  // 1 where broadcast
+  const Operand& bits = p.mask_bits;
+  const Operand& blocks = p.mask_blocks;
+  const int64_t rows = rows_are_keys ? s.seqlen_k : s.seqlen_q;
   const int64_t cols = rows_are_keys ? s.seqlen_q : s.seqlen_k;
-  const int64_t bits[3] = {m.extent[0], rows, (cols + 31) / 32};
-  return check_companion(p, "mask_bits", p.mask_bits, ElementType::kUInt32, bits,
+  if (!blocks.present() || (bits.extent[1] != 1 && bits.extent[1] != rows)) {
+    return Status::InvalidArgument(
+        std::string("jax_flash: mask_bits must come with mask_blocks and hold one row per ") +
+        (rows_are_keys ? "key" : "query") + " (" + std::to_string(rows) +
+        ", or one where the mask broadcasts them)");
+  }
+  Operand mask = bits;
+  const int64_t cols_held = (rows_are_keys ? blocks.extent[1] : blocks.extent[2]) == 1 ? 1 : cols;
+  mask.extent[1] = rows_are_keys ? cols_held : bits.extent[1];
+  mask.extent[2] = rows_are_keys ? bits.extent[1] : cols_held;
+  Status status = check_block_classes(p, "mask_blocks", blocks, mask, "mask", block_m, block_n);
+  if (!status.ok()) return status;
+  const int64_t want[3] = {mask.extent[0], bits.extent[1], (cols + 31) / 32};
+  return check_companion(p, "mask_bits", bits, ElementType::kUInt32, want,
                          rows_are_keys ? "the mask's key rows (the mask transposed) as uint32 bits"
                                        : "the mask's query rows as uint32 bits",
-                         m, "mask");
+                         mask, "mask");
 }
 
 //! Checks what the kernels require of a bias array: the inputs' dtype (they read it as such)
@@ -268,7 +279,7 @@ Status with_features(const ForwardParams& p, Launch&& launch) {
     if (p.bias.present()) return launch(Off{}, Off{}, Off{}, On{});
   }
   if constexpr (kTakesMask) {
-    if (p.mask.present()) {
+    if (p.mask_bits.present()) {
       return with_softcap(Off{}, On{}, Off{}, std::bool_constant<kSoftcapWithMask>{});
     }
   }
