@@ -104,6 +104,8 @@ GPU_DTYPES = tuple(_dtype(d) for d in _TABLE["sm90"]["dtypes"])  # the Hopper ke
 # Those the GPU runs on the blockwise JAX path instead (float32 and float64 matmuls at HIGHEST).
 GPU_BLOCKWISE_DTYPES = tuple(d for d in CPU_DTYPES if d not in GPU_DTYPES)
 GPU_HEAD_DIM_MULTIPLE: int = _TABLE["sm90"]["head_dim_multiple"]
+# The Hopper kernels add a bias divided by the scale: with a bias, smaller scales go blockwise.
+GPU_BIAS_MIN_SCALE: float = _TABLE["sm90"]["bias_min_scale"]
 SM90_FORWARD = _kernel(_TABLE["sm90"]["forward"], Sm90ForwardTile)
 SM90_BACKWARD = _kernel(_TABLE["sm90"]["backward"], Sm90BackwardTile)
 SM90_FORWARD_TILES = SM90_FORWARD.tiles

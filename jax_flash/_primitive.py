@@ -407,9 +407,9 @@ def _blockwise_backward(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len
 def _on_gpu_kernel(kernel: _config.Kernel, kernel_call, blockwise_call, config, q, bias, mask,
                    q_seg, bias_gradient=False):
   """The Hopper kernel's call when it reads the call's optional arrays (a bias of the inputs'
-  dtype), applies its logit soft-capping, takes its segment ids and computes the gradients
-  asked for, else the blockwise one."""
-  if bias is not None and bias.dtype != q.dtype:
+  dtype, with a scale of at least GPU_BIAS_MIN_SCALE), applies its logit soft-capping, takes
+  its segment ids and computes the gradients asked for, else the blockwise one."""
+  if bias is not None and (bias.dtype != q.dtype or config.scale < _config.GPU_BIAS_MIN_SCALE):
     return blockwise_call
   if kernel.takes(bias=bias is not None, mask=mask is not None, softcap=config.softcap > 0,
                   segment_ids=q_seg is not None, bias_gradient=bias_gradient):

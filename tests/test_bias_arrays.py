@@ -24,20 +24,23 @@ from _harness import (Case, check_equals_is_causal, check_forward, check_gradien
 from _platforms import GPU, with_platform
 
 
-def _config_of(**options):
-  return canonicalize(*(np.zeros((1, 4, 2, 8), np.float32),) * 3, None, None, scale=None,
+def _config_of(scale=None, **options):
+  return canonicalize(*(np.zeros((1, 4, 2, 8), np.float32),) * 3, None, None, scale=scale,
                       is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
                       local_window_size=None, **options).config
 
 
 def test_gpu_routing_of_bias_arrays():
   """A bias of the inputs' dtype runs on both Hopper kernels (they list "bias"), and the
-  backward computes its gradient (it lists "bias_gradient"); a bias of another dtype, or with
-  another feature (no feature combination lists bias), runs blockwise."""
+  backward computes its gradient (it lists "bias_gradient"); a bias of another dtype, with a
+  scale below bias_min_scale (the kernels divide the bias by it), or with another feature (no
+  feature combination lists bias), runs blockwise."""
   q = jnp.zeros((1, 4, 2, 8), jnp.bfloat16)
   route = functools.partial(_primitive._on_gpu_kernel, kernel_call="kernel",
                             blockwise_call="blockwise", q=q, mask=None, q_seg=None)
   plain, capped = _config_of(), _config_of(logits_soft_cap=5.0)
+  unscaled = _config_of(scale=0.0)
+  assert unscaled.scale < _config.GPU_BIAS_MIN_SCALE <= _config_of(scale=1e-6).scale
   bias = jnp.zeros((1, 1, 4, 4), jnp.bfloat16)
   for kernel in (_config.SM90_FORWARD, _config.SM90_BACKWARD):
     assert {"bias"} <= kernel.features
@@ -45,6 +48,8 @@ def test_gpu_routing_of_bias_arrays():
     assert route(kernel, config=plain, bias=bias) == "kernel"
     assert route(kernel, config=plain, bias=bias.astype(jnp.float32)) == "blockwise"
     assert route(kernel, config=capped, bias=bias) == "blockwise"
+    assert route(kernel, config=unscaled, bias=bias) == "blockwise"
+    assert route(kernel, config=unscaled, bias=None) == "kernel"
     assert route(kernel, config=plain, bias=bias, mask=bias > 0) == "blockwise"
   assert "bias_gradient" not in _config.SM90_FORWARD.features
   assert "bias_gradient" in _config.SM90_BACKWARD.features
@@ -245,8 +250,8 @@ def test_gpu_vmap_over_biases_only(platform):
 @pytest.mark.parametrize("platform", [GPU], indirect=True)
 def test_gpu_bias_handler_checks(platform):
   """The CUDA handlers refuse a bias of another dtype, a bias without its block classes or with
-  classes of another tile, a workspace without room for dbias, and a deterministic dbias that
-  sums over an axis."""
+  classes of another tile, a bias with a zero scale (the kernels divide it by the scale), a
+  workspace without room for dbias, and a deterministic dbias that sums over an axis."""
   from jax_flash import _extension
   _extension.ensure_registered()
   dtype = _config.GPU_DTYPES[0]
@@ -264,7 +269,8 @@ def test_gpu_bias_handler_checks(platform):
   for operands, overrides, message in (
       ((bias.astype(jnp.float32), blocks), {}, "bias of the inputs' dtype"),
       ((bias,), dict(has_bias_blocks=False), "bias_blocks"),
-      ((bias, jnp.ones((1, 1, 2, 1), jnp.int8)), {}, "bias_blocks")):
+      ((bias, jnp.ones((1, 1, 2, 1), jnp.int8)), {}, "bias_blocks"),
+      ((bias, blocks), dict(scale=np.float64(0.0)), "divided by the scale")):
     with pytest.raises(jax.errors.JaxRuntimeError, match=message):
       jax.block_until_ready(forward(q, q, q, *operands, **dict(attrs, **overrides)))
   lse = jnp.zeros((1, 2, 128), jnp.float32)

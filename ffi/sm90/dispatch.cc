@@ -4,6 +4,7 @@
            come from the generated table).
 */
 #include <cstdint>
+#include <cstdio>
 #include <string>
 
 #include "launch.h"
@@ -23,6 +24,12 @@ constexpr KernelFeatures kBackwardFeatures{kBackwardTakesSoftcap,
                                            kBackwardTakesBias,
                                            kBackwardTakesSoftcapWithSegmentIds,
                                            kBackwardTakesSoftcapWithMask};
+
+std::string Number(double x) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", x);
+  return text;
+}
 
 bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
@@ -61,6 +68,12 @@ Status CheckProblem(const ForwardParams& p, const char* pass, const KernelFeatur
                                    " kernel does not take this call's soft-capping, segment ids "
                                    "or mask or bias array, or not in this combination (jax_flash "
                                    "routes such calls to its blockwise path)");
+  }
+  if (p.bias.present() && !(p.options.scale >= kBiasMinScale)) {
+    return Status::InvalidArgument("jax_flash: the Hopper kernels add a bias divided by the "
+                                   "scale, which must then be at least " +
+                                   Number(kBiasMinScale) + ", got " + Number(p.options.scale) +
+                                   " (jax_flash routes such calls to its blockwise path)");
   }
   if (p.bias.present() && !p.bias_blocks.present()) {
     return Status::InvalidArgument("jax_flash: the Hopper kernels need the bias's block classes "
