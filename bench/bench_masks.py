@@ -96,15 +96,18 @@ def build(impl: str, way: str, args, mode: str):
   B, T, N, H = args.batch, args.seq, args.heads, args.head_dim
   keys = jax.random.split(jax.random.PRNGKey(0), 5)
   q, k, v, dout = (jax.random.normal(key, (B, T, N, H), args.dtype) for key in keys[:4])
-  tril = jnp.tril(jnp.ones((T, T), bool))[None, None]
+  def causal_mask():
+    return jnp.tril(jnp.ones((T, T), bool))[None, None]
+
   lengths = jnp.asarray(lengths_of(B, T), jnp.int32)
   ids = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) // args.doc_len, (B, T))
   # Masks are built inside the timed program from positions, lengths or ids, as a Flax model
   # builds them (make_causal_mask, make_attention_mask).
   options = {
       "causal": dict(is_causal=True),
-      "causal_mask": dict(mask=lambda: jnp.tril(jnp.ones((T, T), bool))[None, None]),
-      "causal_bias": dict(bias=jnp.where(tril, 0, jnp.finfo(args.dtype).min).astype(args.dtype)),
+      "causal_mask": dict(mask=causal_mask),
+      "causal_bias": dict(bias=jnp.where(causal_mask(), 0, jnp.finfo(args.dtype).min)
+                          .astype(args.dtype)),
       "lengths": dict(key_value_seq_lengths=lengths),
       "padding_mask": dict(mask=lambda: (jnp.arange(T) < lengths[:, None])[:, None, None]),
       "segment_ids": dict(is_causal=True, query_segment_ids=ids, key_value_segment_ids=ids),
@@ -112,8 +115,7 @@ def build(impl: str, way: str, args, mode: str):
                             mask=lambda: (ids[:, :, None] == ids[:, None, :])[:, None]),
       "head_bias": {},
       "capped_causal": dict(is_causal=True, logits_soft_cap=SOFTCAP),
-      "capped_causal_mask": dict(mask=lambda: jnp.tril(jnp.ones((T, T), bool))[None, None],
-                                 logits_soft_cap=SOFTCAP),
+      "capped_causal_mask": dict(mask=causal_mask, logits_soft_cap=SOFTCAP),
   }[way]
   # Differentiated operands: q, k, v and, for the learned bias, the bias.
   primals = (q, k, v)
