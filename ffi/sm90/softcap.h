@@ -5,6 +5,9 @@
     The mainloops hold logits as raw products s = q.k and fold the scale into the exponent
     (exp2(s * scale * log2 e - ...)). The capped logit is stored back in those units, as
     z / scale, so the softmax, the saved log-sum-exp and P are computed as without the cap.
+    Where a warp's logits of a block all lie within half the cap, tanh comes from an odd
+    polynomial on the FMA units, leaving the special-function unit to the softmax's exp2 as
+    without the cap; the warp's other blocks take exp and a reciprocal.
     The backward needs tanh'(x / cap) = 1 - t^2 with t = z / cap where it forms dS; rather than
     keeping a second register tile of t, it recovers t from P and the log-sum-exp:
     log2 P = z * log2 e - lse * log2 e. That holds because these kernels add no bias (a bias
@@ -12,6 +15,8 @@
     keeps it: masked logits have P = 0, where the factor is clamped to 0.
 */
 #pragma once
+
+#include <cmath>
 
 #include <cute/tensor.hpp>
 
@@ -51,26 +56,69 @@ CUTE_DEVICE float fast_log2(float x) {
 }
 
 struct LogitSoftcap {
-  float exp2_per_raw;   //!< -2 * log2(e) * scale / cap: raw product -> log2 of exp(-2|x| / cap)
-  float two_from_tanh;  //!< 2 * cap / scale
-  float from_tanh;      //!< cap / scale: tanh -> capped raw product
-  float tanh_per_log2;  //!< 1 / (cap * log2 e): t from log2 P + lse * log2 e
+  //! tanh's argument y = x / cap up to which the odd polynomial serves.
+  static constexpr float kSeriesReach = 0.5f;
+
+  float exp2_per_raw;      //!< -2 * log2(e) * scale / cap: raw product -> log2 of exp(-2|x| / cap)
+  float two_from_tanh;     //!< 2 * cap / scale
+  float from_tanh;         //!< cap / scale: tanh -> capped raw product
+  float tanh_per_log2;     //!< 1 / (cap * log2 e): t from log2 P + lse * log2 e
+  float series[4];         //!< tanh(y) / y = 1 + sum_k series[k-1] * s^2k, s the raw product
+  float series_limit;      //!< |raw product| of |y| = kSeriesReach (0: never the series)
 
   static LogitSoftcap make(float scale, float cap) {
     constexpr float kLog2e = 1.4426950408889634f;
-    return {-2.f * kLog2e * scale / cap, 2.f * cap / scale, cap / scale, 1.f / (cap * kLog2e)};
+    // tanh(y) / y for |y| <= kSeriesReach as a polynomial in y^2: the minimax fit of relative
+    // error 1.3e-8 (degree 9 in y), its constant term 1. Each coefficient carries its power of
+    // y / s = scale / cap, so the kernel squares s itself; below 2^-14 the last of them would
+    // be subnormal, flushed to 0, and such caps take the exp form throughout. In float32, tanh
+    // then errs by at most 6e-8 absolute and 1.1e-7 relative.
+    constexpr double kTanhOverArg[4] = {-0.3333306939411152, 0.13324779318868757,
+                                        -0.052986075371308464, 0.01713500679008545};
+    const double y_per_raw = double(scale) / cap;
+    LogitSoftcap cap_constants{};
+    cap_constants.exp2_per_raw = -2.f * kLog2e * scale / cap;
+    cap_constants.two_from_tanh = 2.f * cap / scale;
+    cap_constants.from_tanh = cap / scale;
+    cap_constants.tanh_per_log2 = 1.f / (cap * kLog2e);
+    double power = 1.0;
+    for (int k = 0; k < 4; ++k) {
+      power *= y_per_raw * y_per_raw;
+      cap_constants.series[k] = float(kTanhOverArg[k] * power);
+    }
+    cap_constants.series_limit =
+        std::abs(y_per_raw) >= 0x1p-14 ? float(kSeriesReach / std::abs(y_per_raw)) : 0.f;
+    return cap_constants;
   }
 
-  //! Caps every raw product of `s` in place, with tanh's absolute error about 2.4e-7 (two ulp
-  //! of ex2, one of the reciprocal), so the capped logit errs by about cap * 2.4e-7 at most;
-  //! tanh.approx.f32 (2^-11 relative) would shift probabilities by percents at caps like 50.
-  //! kReciprocalOnFma (kSoftcapReciprocalOnFma) picks the unit of the reciprocal:
-  //! - on the FMA units, tanh|y| = 2 / (1 + e) - 1 with e = exp(-2|y|), so the divisor stays
-  //!   in [1, 2]: one SFU op and ten others per logit;
-  //! - on the SFU, tanh y = 1 - 2 / (1 + exp(2y)), the sign included (exp2 overflows to +inf
-  //!   for large y, whose reciprocal is 0): two SFU ops and three others.
+  //! Caps every raw product of `s` in place, with tanh's absolute error about 2.4e-7 at most,
+  //! so the capped logit errs by about cap * 2.4e-7; tanh.approx.f32 (2^-11 relative) would
+  //! shift probabilities by percents at caps like 50. The warp takes one form for all of its
+  //! products (a uniform branch, no divergence):
+  //! - all within kSeriesReach: the odd polynomial, six FMA-unit ops per logit beside the
+  //!   maximum;
+  //! - else exp and a reciprocal, whose unit kReciprocalOnFma (kSoftcapReciprocalOnFma) picks:
+  //!   - on the FMA units, tanh|y| = 2 / (1 + e) - 1 with e = exp(-2|y|), so the divisor stays
+  //!     in [1, 2]: one SFU op and ten others per logit;
+  //!   - on the SFU, tanh y = 1 - 2 / (1 + exp(2y)), the sign included (exp2 overflows to
+  //!     +inf for large y, whose reciprocal is 0): two SFU ops and three others.
+  //! Every thread of the warp must call it.
   template <bool kReciprocalOnFma, class TensorS>
   CUTE_DEVICE void apply(TensorS& s) const {
+    constexpr int kSize = decltype(size(s))::value;
+    // NaN products do not count here (fmaxf drops them); they stay NaN in either form.
+    const float largest = chained_reduce<kSize>([&](int i) { return fabsf(s(i)); }, MaxOp{});
+    if (__all_sync(0xffffffffu, largest <= series_limit)) {
+      CUTE_UNROLL
+      for (int i = 0; i < kSize; ++i) {
+        const float z = s(i) * s(i);
+        float r = fmaf(series[3], z, series[2]);
+        r = fmaf(r, z, series[1]);
+        r = fmaf(r, z, series[0]);
+        s(i) *= fmaf(r, z, 1.f);
+      }
+      return;
+    }
     CUTE_UNROLL
     for (int i = 0; i < size(s); ++i) {
       if constexpr (kReciprocalOnFma) {

@@ -17,12 +17,13 @@ namespace jax_flash::sm90 {
 
 using namespace cute;
 
+//! kChains: the row maximum and sum run in up to this many chains (chained_reduce).
 //! kRoundedProducts: each s * scale_log2 is rounded before the maximum's is subtracted, instead
 //! of one FFMA. With logits near the float range (biases of 1e30 used as masks), the FFMA
 //! leaves the rounding residue of max * scale_log2, up to an ulp of it, in every exponent: exp2
 //! of that overflows. Rounded, the row's maximum gives exactly exp2(0) and every exponent is
 //! consistent across blocks.
-template <int kRows, bool kRoundedProducts = false>
+template <int kRows, bool kRoundedProducts, int kChains>
 struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];
@@ -44,10 +45,9 @@ struct OnlineSoftmax {
     cute::array<float, kRows> rescale;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float block_max = s(r, 0);
-      CUTE_UNROLL
-      for (int c = 1; c < size<1>(s); ++c) block_max = fmaxf(block_max, s(r, c));
-      block_max = quad_allreduce(block_max, MaxOp{});
+      constexpr int kColumns = decltype(size<1>(s))::value;
+      const float block_max = quad_allreduce(
+          chained_reduce<kColumns, kChains>([&](int c) { return s(r, c); }, MaxOp{}), MaxOp{});
       const float new_max = fmaxf(row_max[r], block_max);
       const float base = __fmul_rn(new_max == -INFINITY ? 0.f : new_max, scale_log2);
       if constexpr (kFirst) {
@@ -58,13 +58,13 @@ struct OnlineSoftmax {
                                                 : row_max[r] * scale_log2 - base);
       }
       row_max[r] = new_max;
-      float sum = 0.f;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) {
-        s(r, c) = fast_exp2(kRoundedProducts ? __fmul_rn(s(r, c), scale_log2) - base
-                                             : fmaf(s(r, c), scale_log2, -base));
-        sum += s(r, c);
-      }
+      const float sum = chained_reduce<kColumns, kChains>(
+          [&](int c) {
+            s(r, c) = fast_exp2(kRoundedProducts ? __fmul_rn(s(r, c), scale_log2) - base
+                                                 : fmaf(s(r, c), scale_log2, -base));
+            return s(r, c);
+          },
+          SumOp{});
       row_sum[r] = kFirst ? sum : fmaf(row_sum[r], rescale[r], sum);
     }
     return rescale;

@@ -99,6 +99,28 @@ CUTE_DEVICE float quad_allreduce(float x, Op op) {
   return op(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 
+//! op over value(0), ..., value(kLength - 1), in source order, accumulated in up to kMaxChains
+//! (1, 2 or 4) independent chains that are combined at the end: a single chain of dependent
+//! FMNMX or FADD (32 per accumulator row at 128 columns) is latency the next step waits on.
+template <int kLength, int kMaxChains = 4, class Value, class Op>
+CUTE_DEVICE float chained_reduce(Value&& value, Op op) {
+  static_assert(kMaxChains == 1 || kMaxChains == 2 || kMaxChains == 4);
+  constexpr int kChains = kMaxChains == 4 && kLength % 4 == 0   ? 4
+                          : kMaxChains >= 2 && kLength % 2 == 0 ? 2
+                                                                : 1;
+  float chain[kChains];
+  CUTE_UNROLL
+  for (int k = 0; k < kChains; ++k) chain[k] = value(k);
+  CUTE_UNROLL
+  for (int i = kChains; i < kLength; ++i) chain[i % kChains] = op(chain[i % kChains], value(i));
+  CUTE_UNROLL
+  for (int width = kChains / 2; width > 0; width /= 2) {
+    CUTE_UNROLL
+    for (int k = 0; k < width; ++k) chain[k] = op(chain[k], chain[k + width]);
+  }
+  return chain[0];
+}
+
 //! The index of the calling thread's warp within its warpgroup, in a form the compiler knows to
 //! be warp-uniform (so code selected by it stays uniform).
 CUTE_DEVICE int warp_index_in_warp_group() {
