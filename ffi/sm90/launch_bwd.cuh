@@ -106,11 +106,7 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
   const int64_t dbias_count = bias_gradient_elements(p);
   if (dbias_count > 0) {
     BiasGradient& dbias = mainloop.dbias;
-    dbias.data = reinterpret_cast<float*>(base + layout.dbias_accum);
-    dbias.item_stride = p.dbias.batch_stride;
-    dbias.head_stride = p.dbias.stride[0];
-    dbias.row_stride = p.dbias.stride[1];
-    dbias.col_stride = p.dbias.stride[2];
+    point_at(dbias, reinterpret_cast<float*>(base + layout.dbias_accum), p.dbias);
     const cudaError_t err = cudaMemsetAsync(dbias.data, 0, dbias_count * sizeof(float),
                                             context.stream);
     if (err != cudaSuccess) {

@@ -63,6 +63,17 @@ inline const Operand& block_classes(const ForwardParams& p) {
   return p.mask_bits.present() ? p.mask_blocks : p.bias_blocks;
 }
 
+//! Points `array` at `data`, addressed with the strides of `layout`, a (heads, rows, columns)
+//! logit operand; its batch map is coalesce_batch's to fill.
+template <class Value>
+void point_at(LogitArray<Value>& array, Value* data, const Operand& layout) {
+  array.data = data;
+  array.item_stride = layout.batch_stride;
+  array.head_stride = layout.stride[0];
+  array.row_stride = layout.stride[1];
+  array.col_stride = layout.stride[2];
+}
+
 //! The problem's sizes, visibility rule, segment ids, mask and bias arrays; the batch axes (of
 //! the problem and of each per-item array) are filled by coalesce_batch.
 inline AttentionProblem make_problem(const ForwardParams& p) {
@@ -104,11 +115,7 @@ inline AttentionProblem make_problem(const ForwardParams& p) {
   }
   if (p.bias.present()) {
     BiasArray& bias = problem.bias;
-    bias.data = p.bias.data;
-    bias.item_stride = p.bias.batch_stride;
-    bias.head_stride = p.bias.stride[0];
-    bias.row_stride = p.bias.stride[1];
-    bias.col_stride = p.bias.stride[2];
+    point_at(bias, static_cast<const void*>(p.bias.data), p.bias);
     bias.paired = bias.col_stride == 1 && bias.item_stride % 2 == 0 &&
                   bias.head_stride % 2 == 0 && bias.row_stride % 2 == 0 &&
                   reinterpret_cast<uintptr_t>(bias.data) % 4 == 0;

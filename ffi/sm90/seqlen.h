@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cute/config.hpp>
 
@@ -108,42 +109,36 @@ struct MaskView {
   }
 };
 
-//! An additive bias array of the inputs' dtype as the kernels read it: element (query i, key j)
-//! of a (batch item, query head) at item * item_stride + head * head_stride + i * row_stride +
-//! j * col_stride, each stride 0 where the bias broadcasts that axis. `paired`: col_stride is 1
-//! and every other stride even, so two adjacent keys' elements are one aligned 32-bit word.
-struct BiasArray {
-  const void* data = nullptr;
+//! A logit-shaped array as the kernels address it: element (query i, key j) of a (batch item,
+//! query head) at item * item_stride + head * head_stride + i * row_stride + j * col_stride,
+//! each stride 0 where the array broadcasts (a gradient: sums over) that axis. Value is float
+//! for the bias gradient's accumulator, const void for a bias, whose dtype is the kernel's.
+template <class Value>
+struct LogitArray {
+  Value* data = nullptr;
   DeviceBatchMap batch;
   int64_t item_stride = 0, head_stride = 0, row_stride = 0, col_stride = 0;
-  bool paired = false;
 
   CUTE_HOST_DEVICE bool present() const { return data != nullptr; }
-  //! Element (0, 0) of (batch item b, query head `head`).
-  template <class Element>
-  CUTE_HOST_DEVICE const Element* of(DeviceBatch const& problem_batch, int32_t b,
-                                     int32_t head) const {
-    return static_cast<const Element*>(data) + int64_t(batch(problem_batch, b)) * item_stride +
+  //! Element (0, 0) of (batch item b, query head `head`), read as Element (const if Value is).
+  template <class Element = Value>
+  CUTE_HOST_DEVICE auto of(DeviceBatch const& problem_batch, int32_t b, int32_t head) const {
+    using Pointer = std::conditional_t<std::is_const_v<Value>, const Element*, Element*>;
+    return static_cast<Pointer>(data) + int64_t(batch(problem_batch, b)) * item_stride +
            head * head_stride;
   }
 };
 
-//! The backward's float32 accumulator of the bias gradient: laid out like the dbias result
-//! (the bias's own extents, full on the batch axes vmap added), element (query i, key j) of a
-//! (batch item, query head) at the same offsets as BiasArray's with this array's strides (0
-//! where dbias sums over the axis). Every block's dS is added into it; a last pass converts it
-//! to the bias's dtype.
-struct BiasGradient {
-  float* data = nullptr;
-  DeviceBatchMap batch;
-  int64_t item_stride = 0, head_stride = 0, row_stride = 0, col_stride = 0;
-
-  CUTE_HOST_DEVICE bool present() const { return data != nullptr; }
-  //! Element (0, 0) of (batch item b, query head `head`).
-  CUTE_HOST_DEVICE float* of(DeviceBatch const& problem_batch, int32_t b, int32_t head) const {
-    return data + int64_t(batch(problem_batch, b)) * item_stride + head * head_stride;
-  }
+//! An additive bias array of the inputs' dtype. `paired`: col_stride is 1 and every other
+//! stride even, so two adjacent keys' elements are one aligned 32-bit word.
+struct BiasArray : LogitArray<const void> {
+  bool paired = false;
 };
+
+//! The backward's float32 accumulator of the bias gradient: laid out like the dbias result
+//! (the bias's own extents, full on the batch axes vmap added). Every block's dS is added into
+//! it; a last pass converts it to the bias's dtype.
+using BiasGradient = LogitArray<float>;
 
 //! The runtime scalars of an attention problem that every pass needs: sizes, the visibility
 //! rule (window; causal is window_right == 0), the optional per-item lengths, segment ids,
