@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       const TileInfo info(params.problem, scheduler.coord());
       Tensor tOrO = partition_fragment_C(mma_pv, select<0, 2>(typename Traits::TileShapeQK{}));
       clear(tOrO);
-      typename Traits::Softmax softmax(params.mainloop.scale_log2);
+      typename Traits::Softmax softmax;
       if (!info.empty()) {
         Mainloop::mma(params.mainloop, params.problem, mainloop_storage, pipeline_k, pipeline_v,
                       read_state, q_full_phase, info, consumer_warp_group, thread_idx, tOrO,

@@ -53,11 +53,18 @@ struct ForwardKernelTraits {
   static constexpr int kProducerRegisters = kNumConsumerWarpGroups >= 3 ? 32 : 40;
   static constexpr int kConsumerRegisters = mma_registers(kNumConsumerThreads, kProducerRegisters);
 
-  //! Two rows per thread (a 64-row atom); products rounded where a bias can make logits huge.
-  //! The row reductions run in four chains, except on 160-register consumers (three
-  //! warpgroups), where four ran 2-3% slower and one chain is kept; elsewhere four gained up
-  //! to 3.5% (H200, bf16, T = 1024 and 4096, same machine).
-  using Softmax = OnlineSoftmax<2, kBias, kNumConsumerWarpGroups >= 3 ? 1 : 4>;
+  //! Skipping the output's rescale (softmax.h) costs a vote and a branch per block. It pays
+  //! where the consumers' instruction issue binds (soft-capped logits: +2-6% forward at head
+  //! dims 64 and 128) or where a row holds more output columns than logits (head dim 256, 80
+  //! keys per block: +3-7%); elsewhere it lost up to 4% (H200, bf16, T = 1024 and 4096, same
+  //! runs).
+  static constexpr bool kLazyRescale = kSoftcap || kHeadDim > kBlockN;
+  //! Two rows per thread (a 64-row atom). The row reductions run in four chains, except on
+  //! 160-register consumers (three warpgroups), where four ran 2-3% slower and one chain is
+  //! kept; elsewhere four gained up to 3.5% (H200, bf16, T = 1024 and 4096, same machine).
+  using Softmax = OnlineSoftmax<2, kNumConsumerWarpGroups >= 3 ? 1 : 4, kLazyRescale>;
+  //! Logits to log2 units: products rounded where a bias can make logits huge.
+  using Logits = ScaledLogits<kBias>;
 
   // S = Q K^T from shared memory; O += P V with P in registers. Each consumer warpgroup owns
   // 64 rows of the block.

@@ -27,9 +27,10 @@
 
 #include "block_range.h"
 #include "mask.h"
-#include "softcap.h"
 #include "named_barriers.h"
 #include "seqlen.h"
+#include "softcap.h"
+#include "softmax.h"
 #include "tile_scheduler.h"
 #include "utils.h"
 
@@ -471,7 +472,7 @@ struct BackwardMainloop {
       // S^T capped or biased, and masked, as in the forward.
       Tensor s = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
       if constexpr (Traits::kSoftcap) {
-        params.softcap.template apply<kSoftcapReciprocalOnFma<kHeadDim>>(s);
+        params.softcap.template apply<kSoftcapReciprocalOnFma<kHeadDim>>(s);  // to log2 units
       }
       if constexpr (Traits::kBias) {
         mask.add_bias(s, bias, problem.bias.col_stride, problem.bias.row_stride,
@@ -490,10 +491,17 @@ struct BackwardMainloop {
         }
       }
       const auto lse_column = column_values(storage.lse.data() + read_q.index() * kBlockM);
+      const auto logits = [&] {
+        if constexpr (Traits::kSoftcap) {
+          return Log2Logits{};
+        } else {
+          return ScaledLogits</*kRounded=*/false>{scale_log2};
+        }
+      }();
       CUTE_UNROLL
       for (int r = 0; r < size<0>(s); ++r) {
         CUTE_UNROLL
-        for (int c = 0; c < kColumns; ++c) s(r, c) = fast_exp2(fmaf(s(r, c), scale_log2, -lse_column[c]));
+        for (int c = 0; c < kColumns; ++c) s(r, c) = fast_exp2(logits.exponent(s(r, c), lse_column[c]));
       }
       // P^T in the input type: the A operand of dV, from registers or through shared memory.
       Tensor tdVrP = make_tensor<Element>(accumulator_as_a_operand(tSrS.layout()));

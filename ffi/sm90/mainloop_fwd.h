@@ -279,10 +279,18 @@ struct ForwardMainloop {
     const RowVisibility visibility = RowVisibility::of</*kRowsAreKeys=*/false>(problem, info.lens);
     const SegmentAxes</*kRowsAreKeys=*/false> segments{problem, info.coord.batch};
 
-    // The cap and the bias come before masking: masked logits must end at -inf.
-    auto cap_bias_and_mask = [&](int n_block, MaskBlock cls) {
+    const typename Traits::Logits scaled{params.scale_log2};
+    // S of key block n_block into probabilities: the cap (or the bias) before masking, since
+    // masked logits must end at -inf, then the softmax step. A warp whose products fit the
+    // cap's series leaves them raw and caps them in the softmax's exponent; otherwise the cap
+    // leaves them in log2 units.
+    auto softmax_step = [&](auto first, int n_block, MaskBlock cls) {
+      [[maybe_unused]] bool series = false;
       if constexpr (Traits::kSoftcap) {
-        params.softcap.template apply<kSoftcapReciprocalOnFma<Traits::kHeadDim>>(s);
+        series = params.softcap.fits_series(s);
+        if (!series) {
+          params.softcap.template apply_exp_form<kSoftcapReciprocalOnFma<Traits::kHeadDim>>(s);
+        }
       }
       if constexpr (Traits::kBias) {
         mask.add_bias(s, info.bias, problem.bias.row_stride, problem.bias.col_stride,
@@ -299,6 +307,13 @@ struct ForwardMainloop {
                                 problem.mask.words_per_row, info.m_start(), problem.seqlen_q,
                                 n_block * Traits::kBlockN);
         }
+      }
+      constexpr bool kFirst = decltype(first)::value;
+      if constexpr (Traits::kSoftcap) {
+        if (series) return softmax.template step<kFirst>(s, params.softcap.series);
+        return softmax.template step<kFirst>(s, Log2Logits{});
+      } else {
+        return softmax.template step<kFirst>(s, scaled);
       }
     };
     auto issue_qk = [&](PipelineState const& state) {
@@ -318,7 +333,7 @@ struct ForwardMainloop {
 
     storage.q_full.wait(q_phase);
 
-    // First (last-visited) key block: S, cap and mask, softmax without history. The classes
+    // First (last-visited) key block: S and its softmax step without history. The classes
     // of the next block down are read a block ahead, so that skipping empty blocks does not
     // wait on their loads.
     int n_block = info.keys.end - 1;
@@ -332,8 +347,7 @@ struct ForwardMainloop {
     warpgroup_wait<0>();
     pipeline_k.consumer_release(read_state);
     if (n_block == info.keys.begin) release_q();
-    cap_bias_and_mask(n_block, cls);
-    softmax.template step</*kFirst=*/true>(s);
+    softmax_step(std::true_type{}, n_block, cls);
     convert_into(tSrS, tOrP);
     ++read_state;
 
@@ -352,11 +366,10 @@ struct ForwardMainloop {
       warpgroup_wait<1>();  // S_j complete; P V may still run
       pipeline_k.consumer_release(read_state);
       if (n_block == info.keys.begin) release_q();
-      cap_bias_and_mask(n_block, cls);
-      const auto rescale = softmax.template step</*kFirst=*/false>(s);
+      const auto rescale = softmax_step(std::false_type{}, n_block, cls);
       warpgroup_wait<0>();  // P V complete: O may be rescaled and P overwritten
       pipeline_v.consumer_release(v_state);
-      scale_rows(o, rescale);
+      if (rescale.needed) scale_rows(o, rescale.factor);
       convert_into(tSrS, tOrP);
       ++read_state;
     }

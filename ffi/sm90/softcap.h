@@ -3,11 +3,12 @@
            x = scale * q.k becomes z = cap * tanh(x / cap) before masking and the softmax.
 
     The mainloops hold logits as raw products s = q.k and fold the scale into the exponent
-    (exp2(s * scale * log2 e - ...)). The capped logit is stored back in those units, as
-    z / scale, so the softmax, the saved log-sum-exp and P are computed as without the cap.
-    Where a warp's logits of a block all lie within half the cap, tanh comes from an odd
-    polynomial on the FMA units, leaving the special-function unit to the softmax's exp2 as
-    without the cap; the warp's other blocks take exp and a reciprocal.
+    (exp2(s * scale * log2 e - ...)). Where a warp's products of a block all lie within half the
+    cap, tanh comes from an odd polynomial on the FMA units, with that scaling folded into its
+    coefficients (SeriesCappedLogits): the special-function unit is left to the softmax's exp2,
+    as without the cap. The forward applies it inside the softmax's exponent (a logit map of
+    softmax.h); the backward caps in place. The warp's other blocks take exp and a reciprocal.
+    Capped in place, logits are in log2 units (z * log2 e).
     The backward needs tanh'(x / cap) = 1 - t^2 with t = z / cap where it forms dS; rather than
     keeping a second register tile of t, it recovers t from P and the log-sum-exp:
     log2 P = z * log2 e - lse * log2 e. That holds because these kernels add no bias (a bias
@@ -55,70 +56,84 @@ CUTE_DEVICE float fast_log2(float x) {
   return y;
 }
 
+//! Raw products within the series' reach, capped and taken to log2 units (a logit map,
+//! softmax.h): cap * tanh(scale * s / cap) * log2 e = s * P(s^2). P is tanh(y) / y as a
+//! polynomial in y^2, each coefficient times scale * log2 e and its power of
+//! (y / s)^2 = (scale / cap)^2, so the kernel squares s itself; in the exponent the softmax's
+//! FFMA takes the product with s: six FMA-unit ops per logit in all. A masked -inf gives
+//! P = +inf (its leading coefficient is positive and normal) and an exponent of -inf.
+struct SeriesCappedLogits {
+  float coefficient[5];  //!< P's, the constant term (scale * log2 e) first
+
+  CUTE_DEVICE float factor(float s) const {
+    const float z = s * s;
+    float p = fmaf(coefficient[4], z, coefficient[3]);
+    p = fmaf(p, z, coefficient[2]);
+    p = fmaf(p, z, coefficient[1]);
+    return fmaf(p, z, coefficient[0]);
+  }
+  CUTE_DEVICE float log2(float s) const { return s * factor(s); }
+  CUTE_DEVICE float exponent(float s, float base) const { return fmaf(s, factor(s), -base); }
+};
+
 struct LogitSoftcap {
   //! tanh's argument y = x / cap up to which the odd polynomial serves.
   static constexpr float kSeriesReach = 0.5f;
 
-  float exp2_per_raw;      //!< -2 * log2(e) * scale / cap: raw product -> log2 of exp(-2|x| / cap)
-  float two_from_tanh;     //!< 2 * cap / scale
-  float from_tanh;         //!< cap / scale: tanh -> capped raw product
-  float tanh_per_log2;     //!< 1 / (cap * log2 e): t from log2 P + lse * log2 e
-  float series[4];         //!< tanh(y) / y = 1 + sum_k series[k-1] * s^2k, s the raw product
-  float series_limit;      //!< |raw product| of |y| = kSeriesReach (0: never the series)
+  float exp2_per_raw;         //!< -2 * log2(e) * scale / cap: raw product -> log2 of exp(-2|x| / cap)
+  float two_from_tanh;        //!< 2 * cap * log2 e
+  float from_tanh;            //!< cap * log2 e: tanh -> capped logit in log2 units
+  float tanh_per_log2;        //!< 1 / (cap * log2 e): t from log2 P + lse * log2 e
+  SeriesCappedLogits series;  //!< the map of a warp whose products fit the series
+  float series_limit;         //!< |raw product| of |y| = kSeriesReach (0: never the series)
 
   static LogitSoftcap make(float scale, float cap) {
     constexpr float kLog2e = 1.4426950408889634f;
     // tanh(y) / y for |y| <= kSeriesReach as a polynomial in y^2: the minimax fit of relative
-    // error 1.3e-8 (degree 9 in y), its constant term 1. Each coefficient carries its power of
-    // y / s = scale / cap, so the kernel squares s itself; below 2^-14 the last of them would
-    // be subnormal, flushed to 0, and such caps take the exp form throughout. In float32, tanh
-    // then errs by at most 6e-8 absolute and 1.1e-7 relative.
-    constexpr double kTanhOverArg[4] = {-0.3333306939411152, 0.13324779318868757,
+    // error 1.3e-8 (degree 9 in y), its constant term 1. In float32, tanh then errs by at most
+    // 6e-8 absolute and 1.1e-7 relative.
+    constexpr double kTanhOverArg[5] = {1.0, -0.3333306939411152, 0.13324779318868757,
                                         -0.052986075371308464, 0.01713500679008545};
     const double y_per_raw = double(scale) / cap;
     LogitSoftcap cap_constants{};
     cap_constants.exp2_per_raw = -2.f * kLog2e * scale / cap;
-    cap_constants.two_from_tanh = 2.f * cap / scale;
-    cap_constants.from_tanh = cap / scale;
+    cap_constants.two_from_tanh = 2.f * cap * kLog2e;
+    cap_constants.from_tanh = cap * kLog2e;
     cap_constants.tanh_per_log2 = 1.f / (cap * kLog2e);
-    double power = 1.0;
-    for (int k = 0; k < 4; ++k) {
-      power *= y_per_raw * y_per_raw;
-      cap_constants.series[k] = float(kTanhOverArg[k] * power);
+    double coefficient = double(scale) * kLog2e;
+    for (int k = 0; k < 5; ++k) {
+      cap_constants.series.coefficient[k] = float(kTanhOverArg[k] * coefficient);
+      coefficient *= y_per_raw * y_per_raw;
     }
-    cap_constants.series_limit =
-        std::abs(y_per_raw) >= 0x1p-14 ? float(kSeriesReach / std::abs(y_per_raw)) : 0.f;
+    // Caps whose leading coefficient would be subnormal (flushed to 0: a masked logit's
+    // exponent would be 0 * inf) or overflow take the exp form throughout.
+    const float leading = cap_constants.series.coefficient[4];
+    const bool series_normal = std::isfinite(leading) && leading >= 0x1p-126f;
+    cap_constants.series_limit = series_normal ? float(kSeriesReach / std::abs(y_per_raw)) : 0.f;
     return cap_constants;
   }
 
-  //! Caps every raw product of `s` in place, with tanh's absolute error about 2.4e-7 at most,
-  //! so the capped logit errs by about cap * 2.4e-7; tanh.approx.f32 (2^-11 relative) would
-  //! shift probabilities by percents at caps like 50. The warp takes one form for all of its
-  //! products (a uniform branch, no divergence):
-  //! - all within kSeriesReach: the odd polynomial, six FMA-unit ops per logit beside the
-  //!   maximum;
-  //! - else exp and a reciprocal, whose unit kReciprocalOnFma (kSoftcapReciprocalOnFma) picks:
-  //!   - on the FMA units, tanh|y| = 2 / (1 + e) - 1 with e = exp(-2|y|), so the divisor stays
-  //!     in [1, 2]: one SFU op and ten others per logit;
-  //!   - on the SFU, tanh y = 1 - 2 / (1 + exp(2y)), the sign included (exp2 overflows to
-  //!     +inf for large y, whose reciprocal is 0): two SFU ops and three others.
-  //! Every thread of the warp must call it.
-  template <bool kReciprocalOnFma, class TensorS>
-  CUTE_DEVICE void apply(TensorS& s) const {
+  //! Whether every raw product of `s` in the calling warp lies within the series' reach, where
+  //! `series` caps them; else apply_exp_form caps `s`. One form per warp and block (a uniform
+  //! branch, no divergence); every thread of the warp must call it.
+  template <class TensorS>
+  CUTE_DEVICE bool fits_series(TensorS const& s) const {
     constexpr int kSize = decltype(size(s))::value;
     // NaN products do not count here (fmaxf drops them); they stay NaN in either form.
     const float largest = chained_reduce<kSize>([&](int i) { return fabsf(s(i)); }, MaxOp{});
-    if (__all_sync(0xffffffffu, largest <= series_limit)) {
-      CUTE_UNROLL
-      for (int i = 0; i < kSize; ++i) {
-        const float z = s(i) * s(i);
-        float r = fmaf(series[3], z, series[2]);
-        r = fmaf(r, z, series[1]);
-        r = fmaf(r, z, series[0]);
-        s(i) *= fmaf(r, z, 1.f);
-      }
-      return;
-    }
+    return __all_sync(0xffffffffu, largest <= series_limit);
+  }
+
+  //! Caps every raw product of `s` in place, to log2 units, with tanh's absolute error about
+  //! 2.4e-7 at most, so the capped logit errs by about cap * 2.4e-7; tanh.approx.f32 (2^-11
+  //! relative) would shift probabilities by percents at caps like 50. kReciprocalOnFma
+  //! (kSoftcapReciprocalOnFma) picks the reciprocal's unit:
+  //! - on the FMA units, tanh|y| = 2 / (1 + e) - 1 with e = exp(-2|y|), so the divisor stays
+  //!   in [1, 2]: one SFU op and ten others per logit;
+  //! - on the SFU, tanh y = 1 - 2 / (1 + exp(2y)), the sign included (exp2 overflows to
+  //!   +inf for large y, whose reciprocal is 0): two SFU ops and three others.
+  template <bool kReciprocalOnFma, class TensorS>
+  CUTE_DEVICE void apply_exp_form(TensorS& s) const {
     CUTE_UNROLL
     for (int i = 0; i < size(s); ++i) {
       if constexpr (kReciprocalOnFma) {
@@ -128,6 +143,18 @@ struct LogitSoftcap {
         const float r = fast_rcp(1.f + fast_exp2(s(i) * -exp2_per_raw));
         s(i) = fmaf(-two_from_tanh, r, from_tanh);
       }
+    }
+  }
+
+  //! Caps every raw product of `s` in place, to log2 units, in the warp's form. Every thread of
+  //! the warp must call it.
+  template <bool kReciprocalOnFma, class TensorS>
+  CUTE_DEVICE void apply(TensorS& s) const {
+    if (fits_series(s)) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(s); ++i) s(i) = series.log2(s(i));
+    } else {
+      apply_exp_form<kReciprocalOnFma>(s);
     }
   }
 

@@ -1,11 +1,13 @@
 /*! \file softmax.h
     \brief Online softmax over the rows a consumer thread holds (two per 64-row atom).
 
-    The running maximum is kept on raw logits; exponentials are exp2(s * scale_log2 - m), one
-    FFMA and one MUFU.EX2 per element (the host guarantees scale > 0, so max commutes with the
-    scaling). Row sums stay per thread and are reduced across the quad once, at the end.
-    Rows without a visible key keep max = -inf: their exponent base is taken as 0, so every term
-    is exp2(-inf) = 0 and no -inf - (-inf) NaN appears; finalize gives them O = 0, lse = -inf.
+    Logits arrive in the units the mainloops hold them (raw products q.k, capped or biased in
+    those units); a logit map (ScaledLogits, or softcap.h's SeriesCappedLogits) takes them to
+    log2 units, in which the running maximum is kept, and forms each exponent in one FFMA, so
+    that exp2(exponent) is one MUFU.EX2 per element. Row sums stay per thread and are reduced
+    across the quad once, at the end. Rows without a visible key keep max = -inf: their exponent
+    base is taken as 0, so every term is exp2(-inf) = 0 and no -inf - (-inf) NaN appears;
+    finalize gives them O = 0, lse = -inf.
 */
 #pragma once
 
@@ -17,19 +19,51 @@ namespace jax_flash::sm90 {
 
 using namespace cute;
 
-//! kChains: the row maximum and sum run in up to this many chains (chained_reduce).
-//! kRoundedProducts: each s * scale_log2 is rounded before the maximum's is subtracted, instead
-//! of one FFMA. With logits near the float range (biases of 1e30 used as masks), the FFMA
-//! leaves the rounding residue of max * scale_log2, up to an ulp of it, in every exponent: exp2
-//! of that overflows. Rounded, the row's maximum gives exactly exp2(0) and every exponent is
-//! consistent across blocks.
-template <int kRows, bool kRoundedProducts, int kChains>
-struct OnlineSoftmax {
-  float row_max[kRows];
-  float row_sum[kRows];
+//! Logits times the softmax scale in log2 units (scale_log2 = scale * log2 e, > 0, so maxima
+//! commute with the scaling). kRounded: each s * scale_log2 is rounded before the base is
+//! subtracted, instead of one FFMA. With logits near the float range (biases of 1e30 used as
+//! masks), the FFMA leaves the rounding residue of max * scale_log2, up to an ulp of it, in
+//! every exponent: exp2 of that overflows. Rounded, each exponent is the difference of two
+//! rounded values, never above that of the block's maximum.
+template <bool kRounded>
+struct ScaledLogits {
   float scale_log2;
 
-  CUTE_DEVICE explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) {
+  CUTE_DEVICE float log2(float s) const { return __fmul_rn(s, scale_log2); }
+  CUTE_DEVICE float exponent(float s, float base) const {
+    return kRounded ? __fmul_rn(s, scale_log2) - base : fmaf(s, scale_log2, -base);
+  }
+};
+
+//! Logits already in log2 units (capped in place, softcap.h).
+struct Log2Logits {
+  CUTE_DEVICE float log2(float x) const { return x; }
+  CUTE_DEVICE float exponent(float x, float base) const { return x - base; }
+};
+
+//! Per row, the factor by which earlier accumulations must be rescaled, and whether any row of
+//! the calling warp changed its maximum (warp-uniform; else the accumulator is left as it is).
+template <int kRows>
+struct Rescale {
+  cute::array<float, kRows> factor;
+  bool needed;
+};
+
+//! kChains: the row maximum and sum run in up to this many chains (chained_reduce).
+//! kLazyRescale: the running maximum moves only when a block's exceeds it by more than
+//! kStaleMaxLog2, and a warp none of whose rows moved leaves the output unscaled. A stale
+//! maximum leaves exponents up to that bound, probabilities up to 2^8: exact in bf16/fp16
+//! (relative rounding is scale-free) and far from overflowing the float32 sums, while the
+//! output's rescaling (one FMUL per accumulator element) is skipped in most blocks. Otherwise
+//! the maximum is exact and the output is rescaled after every block.
+template <int kRows, int kChains, bool kLazyRescale>
+struct OnlineSoftmax {
+  static constexpr float kStaleMaxLog2 = kLazyRescale ? 8.f : 0.f;
+
+  float row_max[kRows];  //!< log2 units
+  float row_sum[kRows];
+
+  CUTE_DEVICE OnlineSoftmax() {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       row_max[r] = -INFINITY;
@@ -37,35 +71,39 @@ struct OnlineSoftmax {
     }
   }
 
-  //! Replaces the rowcol view `s` of a logits block by its unnormalised probabilities and
-  //! returns, per row, the factor by which earlier accumulations must be rescaled.
-  template <bool kFirst, class TensorS>
-  CUTE_DEVICE cute::array<float, kRows> step(TensorS& s) {
+  //! Replaces the rowcol view `s` of a logits block, whose `logits` map takes it to log2
+  //! units, by its unnormalised probabilities. Every thread of the warp must call it.
+  template <bool kFirst, class TensorS, class Logits>
+  CUTE_DEVICE Rescale<kRows> step(TensorS& s, Logits const& logits) {
     static_assert(decltype(size<0>(s))::value == kRows);
-    cute::array<float, kRows> rescale;
+    constexpr int kColumns = decltype(size<1>(s))::value;
+    Rescale<kRows> rescale;
+    bool moved = false;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      constexpr int kColumns = decltype(size<1>(s))::value;
-      const float block_max = quad_allreduce(
-          chained_reduce<kColumns, kChains>([&](int c) { return s(r, c); }, MaxOp{}), MaxOp{});
-      const float new_max = fmaxf(row_max[r], block_max);
-      const float base = __fmul_rn(new_max == -INFINITY ? 0.f : new_max, scale_log2);
-      if constexpr (kFirst) {
-        rescale[r] = 1.f;
-      } else {
-        // exp2(-inf) = 0 for empty history.
-        rescale[r] = fast_exp2(kRoundedProducts ? __fmul_rn(row_max[r], scale_log2) - base
-                                                : row_max[r] * scale_log2 - base);
-      }
+      const float block_max = logits.log2(quad_allreduce(
+          chained_reduce<kColumns, kChains>([&](int c) { return s(r, c); }, MaxOp{}), MaxOp{}));
+      // Selects, not branches (rows differ across the warp's quads). The maximum moves on the
+      // first visible block (from -inf) and past the staleness bound; a NaN or -inf block
+      // maximum never moves it.
+      const float new_max =
+          kFirst || block_max - row_max[r] > kStaleMaxLog2 ? block_max : row_max[r];
+      const float base = new_max == -INFINITY ? 0.f : new_max;
+      rescale.factor[r] = kFirst ? 1.f : fast_exp2(row_max[r] - base);  // exp2(-inf) = 0
+      if constexpr (kLazyRescale) moved |= new_max != row_max[r];
       row_max[r] = new_max;
       const float sum = chained_reduce<kColumns, kChains>(
           [&](int c) {
-            s(r, c) = fast_exp2(kRoundedProducts ? __fmul_rn(s(r, c), scale_log2) - base
-                                                 : fmaf(s(r, c), scale_log2, -base));
+            s(r, c) = fast_exp2(logits.exponent(s(r, c), base));
             return s(r, c);
           },
           SumOp{});
-      row_sum[r] = kFirst ? sum : fmaf(row_sum[r], rescale[r], sum);
+      row_sum[r] = kFirst ? sum : fmaf(row_sum[r], rescale.factor[r], sum);
+    }
+    if constexpr (kLazyRescale) {
+      rescale.needed = !kFirst && __any_sync(0xffffffffu, moved);
+    } else {
+      rescale.needed = !kFirst;
     }
     return rescale;
   }
@@ -80,7 +118,7 @@ struct OnlineSoftmax {
       const bool empty = dead[r] || !(sum > 0.f);
       inv_sum[r] = empty ? 0.f : 1.f / sum;
       constexpr float kLn2 = 0.69314718055994530942f;
-      lse[r] = empty ? -INFINITY : (row_max[r] * scale_log2 + log2f(sum)) * kLn2;
+      lse[r] = empty ? -INFINITY : (row_max[r] + log2f(sum)) * kLn2;
     }
     return inv_sum;
   }
