@@ -54,7 +54,7 @@ struct ForwardKernelTraits {
   static constexpr int kConsumerRegisters = mma_registers(kNumConsumerThreads, kProducerRegisters);
 
   //! Skipping the output's rescale (softmax.h) costs a vote and a branch per block. It pays
-  //! where the consumers' instruction issue binds (soft-capped logits: +2-6% forward at head
+  //! where the consumers' instruction issue binds (soft-capped logits: up to +6% forward at head
   //! dims 64 and 128) or where a row holds more output columns than logits (head dim 256, 80
   //! keys per block: +3-7%); elsewhere it lost up to 4% (H200, bf16, T = 1024 and 4096, same
   //! runs).
