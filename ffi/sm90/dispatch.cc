@@ -12,19 +12,6 @@
 namespace jax_flash::sm90 {
 namespace {
 
-constexpr KernelFeatures kForwardFeatures{kForwardTakesSoftcap,
-                                          kForwardTakesSegmentIds,
-                                          kForwardTakesMask,
-                                          kForwardTakesBias,
-                                          kForwardTakesSoftcapWithSegmentIds,
-                                          kForwardTakesSoftcapWithMask};
-constexpr KernelFeatures kBackwardFeatures{kBackwardTakesSoftcap,
-                                           kBackwardTakesSegmentIds,
-                                           kBackwardTakesMask,
-                                           kBackwardTakesBias,
-                                           kBackwardTakesSoftcapWithSegmentIds,
-                                           kBackwardTakesSoftcapWithMask};
-
 std::string Number(double x) {
   char text[32];
   std::snprintf(text, sizeof text, "%g", x);

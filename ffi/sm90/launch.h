@@ -11,6 +11,7 @@
 
 #include "../common/attention_params.h"
 #include "../common/status.h"
+#include "kernel_features.h"
 #include "sm90_tiles.h"  // generated from jax_flash/kernel_configs.json
 
 namespace jax_flash::sm90 {
@@ -36,17 +37,6 @@ struct BackwardWorkspaceLayout {
   //! main kernel.
   int64_t dbias_accum = -1;
   int64_t bytes = 0;
-};
-
-//! The optional features a pass's kernels take (kernel_configs.json "features" and
-//! "feature_combinations", as the generated sm90_tiles.h states them).
-struct KernelFeatures {
-  bool softcap = false;
-  bool segment_ids = false;
-  bool mask = false;
-  bool bias = false;
-  bool softcap_with_segment_ids = false;
-  bool softcap_with_mask = false;
 };
 
 //! Whether kernels taking `features` run the call: each feature it uses is taken, alone or,

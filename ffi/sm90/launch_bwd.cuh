@@ -219,9 +219,7 @@ Status RunBackwardTile(const BackwardParams& params, const BackwardWorkspaceLayo
   using Element = typename CutlassElement<kDtype>::type;
   // softcap.h recovers tanh from P and the lse, which a bias would shift: with_features
   // never instantiates the two together (a bias is taken alone).
-  return with_features<kBackwardTakesSoftcap, kBackwardTakesSegmentIds, kBackwardTakesMask,
-                       kBackwardTakesBias, kBackwardTakesSoftcapWithSegmentIds,
-                       kBackwardTakesSoftcapWithMask>(
+  return with_features<kBackwardFeatures>(
       params.fwd, [&](auto softcap, auto segments, auto mask, auto bias) {
         return launch_backward<BackwardKernelTraits<Element, kTileHeadDim, decltype(softcap)::value,
                                                     decltype(segments)::value,

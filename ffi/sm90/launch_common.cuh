@@ -260,39 +260,38 @@ inline Status make_schedule(int64_t num_blocks, int64_t num_heads, int64_t num_h
 }
 
 //! Calls launch(softcap, segments, mask, bias) with the compile-time features the call uses,
-//! each an std::bool_constant. A kernel is instantiated for each feature the pass takes alone
-//! (kernel_configs.json, through sm90_tiles.h) and for soft-capping together with segment ids
-//! or with a mask array where the pass lists that combination. A call the instantiations do not
-//! cover is an error (dispatch routes none here).
-template <bool kTakesSoftcap, bool kTakesSegments, bool kTakesMask, bool kTakesBias,
-          bool kSoftcapWithSegments, bool kSoftcapWithMask, class Launch>
+//! each an std::bool_constant. A kernel is instantiated for each feature in kFeatures alone
+//! (a pass's, from kernel_configs.json through sm90_tiles.h) and for soft-capping together with
+//! segment ids or with a mask array where kFeatures lists that combination. A call the
+//! instantiations do not cover is an error (dispatch routes none here).
+template <const KernelFeatures& kFeatures, class Launch>
 Status with_features(const ForwardParams& p, Launch&& launch) {
   using Off = std::false_type;
   using On = std::true_type;
-  if (!takes_features(p, {kTakesSoftcap, kTakesSegments, kTakesMask, kTakesBias,
-                          kSoftcapWithSegments, kSoftcapWithMask})) {
+  if (!takes_features(p, kFeatures)) {
     return Status::InvalidArgument("jax_flash: this Hopper tile is not compiled for the call's "
                                    "combination of soft-capping, segment ids and mask or bias "
                                    "arrays");
   }
   // takes_features has checked that soft-capping combines with what the call uses.
   auto with_softcap = [&](auto segments, auto mask, auto bias, auto combines) {
-    if constexpr (kTakesSoftcap && decltype(combines)::value) {
+    if constexpr (kFeatures.softcap && decltype(combines)::value) {
       if (p.options.softcap > 0) return launch(On{}, segments, mask, bias);
     }
     return launch(Off{}, segments, mask, bias);
   };
-  if constexpr (kTakesBias) {
+  if constexpr (kFeatures.bias) {
     if (p.bias.present()) return launch(Off{}, Off{}, Off{}, On{});
   }
-  if constexpr (kTakesMask) {
+  if constexpr (kFeatures.mask) {
     if (p.mask_bits.present()) {
-      return with_softcap(Off{}, On{}, Off{}, std::bool_constant<kSoftcapWithMask>{});
+      return with_softcap(Off{}, On{}, Off{}, std::bool_constant<kFeatures.softcap_with_mask>{});
     }
   }
-  if constexpr (kTakesSegments) {
+  if constexpr (kFeatures.segment_ids) {
     if (p.q_segment_ids.present()) {
-      return with_softcap(On{}, Off{}, Off{}, std::bool_constant<kSoftcapWithSegments>{});
+      return with_softcap(On{}, Off{}, Off{},
+                          std::bool_constant<kFeatures.softcap_with_segment_ids>{});
     }
   }
   return with_softcap(Off{}, Off{}, Off{}, On{});

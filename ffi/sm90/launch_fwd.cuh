@@ -81,15 +81,15 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
                        Kernel::kSharedStorageBytes, kp, context, "forward");
 }
 
+//! Mask and bias arrays run on each head dim's default tile, for which Python classifies the
+//! mask's blocks (one instantiation each instead of one per tile).
+inline constexpr KernelFeatures kForwardFeaturesOffDefaultTile = kForwardFeatures.without_arrays();
+
 template <ElementType kDtype, int kTileHeadDim, int kTileBlockM>
 Status RunForwardTile(const ForwardParams& params, const LaunchContext& context) {
   using Element = typename CutlassElement<kDtype>::type;
-  // Mask and bias arrays run on each head dim's default tile, for which Python classifies the
-  // mask's blocks (one instantiation each instead of one per tile).
   constexpr bool kDefault = is_default_forward_tile(kTileHeadDim, kTileBlockM);
-  return with_features<kForwardTakesSoftcap, kForwardTakesSegmentIds, kForwardTakesMask && kDefault,
-                       kForwardTakesBias && kDefault, kForwardTakesSoftcapWithSegmentIds,
-                       kForwardTakesSoftcapWithMask>(
+  return with_features<kDefault ? kForwardFeatures : kForwardFeaturesOffDefaultTile>(
       params, [&](auto softcap, auto segments, auto mask, auto bias) {
         return launch_forward<ForwardKernelTraits<Element, kTileHeadDim, kTileBlockM,
                                                   decltype(softcap)::value,
