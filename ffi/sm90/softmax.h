@@ -2,9 +2,9 @@
     \brief Online softmax over the rows a consumer thread holds (two per 64-row atom).
 
     Logits arrive in the units the mainloops hold them (raw products q.k, capped or biased in
-    those units); a logit map (ScaledLogits, or softcap.h's SeriesCappedLogits) takes them to
-    log2 units, in which the running maximum is kept, and forms each exponent in one FFMA, so
-    that exp2(exponent) is one MUFU.EX2 per element. Row sums stay per thread and are reduced
+    those units); a logit map (ScaledLogits, Log2Logits, or softcap.h's SeriesCappedLogits)
+    takes them to log2 units, in which the running maximum is kept, and forms each exponent in
+    one FFMA (an FADD for Log2Logits), so that exp2(exponent) is one MUFU.EX2 per element. Row sums stay per thread and are reduced
     across the quad once, at the end. Rows without a visible key keep max = -inf: their exponent
     base is taken as 0, so every term is exp2(-inf) = 0 and no -inf - (-inf) NaN appears;
     finalize gives them O = 0, lse = -inf.
@@ -41,8 +41,9 @@ struct Log2Logits {
   CUTE_DEVICE float exponent(float x, float base) const { return x - base; }
 };
 
-//! Per row, the factor by which earlier accumulations must be rescaled, and whether any row of
-//! the calling warp changed its maximum (warp-uniform; else the accumulator is left as it is).
+//! Per row, the factor by which earlier accumulations must be rescaled, and whether they must
+//! be (warp-uniform: after every block but the first, or with lazy rescaling only where a row
+//! of the calling warp moved its maximum).
 template <int kRows>
 struct Rescale {
   cute::array<float, kRows> factor;
