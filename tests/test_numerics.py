@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import jax_flash
+from jax_flash import _config
 
 import _reference as ref
 from _harness import (Case, assert_close, check_forward, check_gradients, default_dtype,
@@ -84,6 +85,41 @@ def test_row_dominated_by_one_large_bias(platform):
   out, _ = check_forward(case, platform, inp=inp)
   expected = np.broadcast_to(inp.v[0, chosen, 0][:, None, :], out[0].shape)
   np.testing.assert_array_equal(out[0], expected)
+
+
+# Logits rising towards the first keys, which the Hopper forward visits last: each row's
+# running maximum rises in every key block, by less than the lazy rescaling's staleness bound (8
+# in log2 units, 5.5 in natural ones) in one head and by more in the other, so the kernels both
+# keep a stale maximum (probabilities up to 2^8) and move it. Lazy rescaling runs in the
+# soft-capped kernels and, uncapped, where a row holds more output columns than logits (the
+# largest head dim; kernel_traits_fwd.h).
+RISING_PER_KEY = (0.02, 0.06)  # per head: a rise of 2.6 and 7.7 per 128-key block
+
+
+def rising_params():
+  params = []
+  for p in platform_dtypes():
+    platform, dtype = p.values
+    head_dims = _config.GPU_HEAD_DIMS if platform == "gpu" else (16,)
+    for name, softcap, H in (("uncapped", None, max(head_dims)), ("capped", 50.0, min(head_dims))):
+      params.append(pytest.param(platform, dtype, H, softcap, marks=p.marks, id=f"{p.id}-{name}"))
+  return params
+
+
+@with_platform("platform,dtype,H,softcap", rising_params())
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_row_maxima_rising_across_key_blocks(platform, dtype, H, softcap, is_causal):
+  case = Case(B=2, T=640, S=640, N=2, H=H, dtype=dtype, is_causal=is_causal, scale=1.0,
+              softcap=softcap)
+  inp = make_inputs(case)
+  q = inp.q.astype(np.float64) * 0.1
+  k = inp.k.astype(np.float64) * 0.1
+  q[..., 0] = 1.0
+  k[..., 0] = np.asarray(RISING_PER_KEY) * np.arange(case.S - 1, -1, -1)[:, None]
+  inp.q, inp.k = q.astype(inp.q.dtype), k.astype(inp.k.dtype)
+  logits = ref.logits_max(inp.q, inp.k, None, visibility(case, inp), scale=1.0)
+  assert logits > 30, f"the keys' logits must rise over several blocks, got a maximum of {logits:g}"
+  check_forward(case, platform, inp=inp)
 
 
 # --- determinism -------------------------------------------------------------------------------
