@@ -80,7 +80,8 @@ struct LogitSoftcap {
   //! tanh's argument y = x / cap up to which the odd polynomial serves.
   static constexpr float kSeriesReach = 0.5f;
 
-  float exp2_per_raw;         //!< -2 * log2(e) * scale / cap: raw product -> log2 of exp(-2|x| / cap)
+  //! -2 * log2(e) * scale / cap: raw product -> log2 of exp(-2|x| / cap)
+  float exp2_per_raw;
   float two_from_tanh;        //!< 2 * cap * log2 e
   float from_tanh;            //!< cap * log2 e: tanh -> capped logit in log2 units
   float tanh_per_log2;        //!< 1 / (cap * log2 e): t from log2 P + lse * log2 e

@@ -4,10 +4,10 @@
     Logits arrive in the units the mainloops hold them (raw products q.k, capped or biased in
     those units); a logit map (ScaledLogits, Log2Logits, or softcap.h's SeriesCappedLogits)
     takes them to log2 units, in which the running maximum is kept, and forms each exponent in
-    one FFMA (an FADD for Log2Logits), so that exp2(exponent) is one MUFU.EX2 per element. Row sums stay per thread and are reduced
-    across the quad once, at the end. Rows without a visible key keep max = -inf: their exponent
-    base is taken as 0, so every term is exp2(-inf) = 0 and no -inf - (-inf) NaN appears;
-    finalize gives them O = 0, lse = -inf.
+    one FFMA (an FADD for Log2Logits), so that exp2(exponent) is one MUFU.EX2 per element. Row
+    sums stay per thread and are reduced across the quad once, at the end. Rows without a
+    visible key keep max = -inf: their exponent base is taken as 0, so every term is
+    exp2(-inf) = 0 and no -inf - (-inf) NaN appears; finalize gives them O = 0, lse = -inf.
 */
 #pragma once
 
