@@ -6,18 +6,21 @@
 #include "ffi_glue.h"
 
 #include <cmath>
-#include <sstream>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace jax_flash {
 namespace {
 
+// Messages are built from std::string and std::to_string only: with an std::ostringstream
+// here, a shape error segfaulted the process under jaxlib 0.11.2 (CPU and CUDA handlers alike;
+// most likely the stream's locale machinery bound to the C++ library jaxlib brings along)
+// instead of returning the error.
 std::string DimsToString(ffi::Span<const int64_t> dims) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < dims.size(); ++i) os << (i ? ", " : "") << dims[i];
-  os << (dims.size() == 1 ? ",)" : ")");
-  return os.str();
+  std::string text = "(";
+  for (size_t i = 0; i < dims.size(); ++i) text += (i ? ", " : "") + std::to_string(dims[i]);
+  return text + (dims.size() == 1 ? ",)" : ")");
 }
 
 bool ToElementType(ffi::DataType dtype, ElementType* out) {
@@ -74,9 +77,9 @@ Status Describe(const char* name, const BufferView& view, const BatchShape& batc
                                    DimsToString(view.dims));
   }
   if (!ToElementType(view.dtype, &operand->dtype)) {
-    std::ostringstream os;
-    os << "jax_flash: " << name << " has unsupported XLA dtype id " << static_cast<int>(view.dtype);
-    return Status::InvalidArgument(os.str());
+    return Status::InvalidArgument(std::string("jax_flash: ") + name +
+                                   " has unsupported XLA dtype id " +
+                                   std::to_string(static_cast<int>(view.dtype)));
   }
   for (int i = 0; i < batch.rank; ++i) {
     const int64_t extent = view.dims[i];
