@@ -114,8 +114,12 @@ def test_row_maxima_rising_across_key_blocks(platform, dtype, H, softcap, is_cau
   inp = make_inputs(case)
   q = inp.q.astype(np.float64) * 0.1
   k = inp.k.astype(np.float64) * 0.1
-  q[..., 0] = 1.0
-  k[..., 0] = np.asarray(RISING_PER_KEY) * np.arange(case.S - 1, -1, -1)[:, None]
+  # The rising product sits in the last head dim: the tensor cores add the head dim's slices
+  # in order into a float32 sum that they round at its magnitude (not to nearest; cuBLAS's dot
+  # of these inputs errs alike), so a product of 40 added first would leave every later slice
+  # rounded at 40 and the logits several ulps off, an error that is not the softmax's.
+  q[..., -1] = 1.0
+  k[..., -1] = np.asarray(RISING_PER_KEY) * np.arange(case.S - 1, -1, -1)[:, None]
   inp.q, inp.k = q.astype(inp.q.dtype), k.astype(inp.k.dtype)
   logits = ref.logits_max(inp.q, inp.k, None, visibility(case, inp), scale=1.0)
   assert logits > 30, f"the keys' logits must rise over several blocks, got a maximum of {logits:g}"
