@@ -16,6 +16,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFlashBackwardCpu);
 #if defined(JAX_FLASH_WITH_CUDA)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFlashForwardCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFlashBackwardCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFlashForwardMergeCuda);
 #endif
 
 namespace nb = nanobind;
@@ -39,6 +40,7 @@ nb::dict Registrations() {
   nb::dict cuda;
   cuda["jax_flash_fwd"] = Encapsulate(JaxFlashForwardCuda);
   cuda["jax_flash_bwd"] = Encapsulate(JaxFlashBackwardCuda);
+  cuda["jax_flash_fwd_merge"] = Encapsulate(JaxFlashForwardMergeCuda);
   platforms["CUDA"] = cuda;
 #endif
   return platforms;

@@ -26,6 +26,8 @@ except ImportError as err:
 
 FORWARD_TARGET = "jax_flash_fwd"
 BACKWARD_TARGET = "jax_flash_bwd"
+#: CUDA only: the merge of a forward split along the keys (jax_flash/_split_kv.py).
+FORWARD_MERGE_TARGET = "jax_flash_fwd_merge"
 
 _BUILD_INFO = _jax_flash_ext.build_info()
 _lock = threading.Lock()

@@ -79,7 +79,7 @@ from ._validation import AttentionConfig, gpu_kernels_run
 
 
 def _attributes(config: AttentionConfig, bias, bias_tiles, mask, mask_tiles, q_len, kv_len,
-                q_seg, bias_gradient=False) -> dict:
+                q_seg, bias_gradient=False, heads_major=False) -> dict:
   # XLA FFI attributes are typed exactly: float64 scale and softcap, int64 windows, bool flags.
   return dict(
       scale=np.float64(config.scale),
@@ -95,6 +95,7 @@ def _attributes(config: AttentionConfig, bias, bias_tiles, mask, mask_tiles, q_l
       has_segment_ids=q_seg is not None,
       deterministic=bool(config.deterministic),
       has_dbias=bool(bias_gradient),
+      heads_major=bool(heads_major),
   )
 
 
@@ -271,12 +272,16 @@ def _bias_tiles(bias, tile):
   return [kept.reshape(*lead, MB, bm, SB).any(-2).astype(jnp.int8)]
 
 
-def _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, *, gpu_tile=None):
+def _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, *, gpu_tile=None,
+                  heads_major=False):
   """The forward FFI call. With gpu_tile (the CUDA handler's tile for the problem) a mask or
-  bias travels with its operands for the Hopper kernels (`_mask_tiles`, `_bias_tiles`)."""
+  bias travels with its operands for the Hopper kernels (`_mask_tiles`, `_bias_tiles`). With
+  heads_major, q and the output are laid out (batch..., N, T, H)."""
   _extension.ensure_registered()
   batch = _batch_shape(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
   T, N, _ = q.shape[-3:]
+  if heads_major:
+    N, T = T, N
   result_types = (jax.ShapeDtypeStruct(batch + q.shape[-3:], q.dtype),
                   jax.ShapeDtypeStruct(batch + (N, T), _config.accumulation_dtype(q.dtype)))
   call = jax.ffi.ffi_call(_extension.FORWARD_TARGET, result_types, vmap_method="expand_dims")
@@ -288,8 +293,22 @@ def _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, *, 
   operands = (q, k, v, *_present(bias), *bias_tiles, *_present(mask), *tiles,
               *_present(q_len, kv_len), *_segments(q_seg, kv_seg))
   results = call(*operands, **_attributes(config, bias, bias_tiles, mask, tiles, q_len, kv_len,
-                                          q_seg))
+                                          q_seg, heads_major=heads_major))
   return tuple(_varying.varying_like(results, *operands))
+
+
+def _forward_merge_call(out, lse):
+  """`_split_kv.merge` by the CUDA handler's kernel: out (..., P, A, B, H) and lse
+  (..., P, A, B) -> (..., A, B, H) and (..., A, B)."""
+  _extension.ensure_registered()
+  lead, (P, A, B, H) = out.shape[:-4], out.shape[-4:]
+  items = math.prod(lead)
+  call = jax.ffi.ffi_call(_extension.FORWARD_MERGE_TARGET,
+                          (jax.ShapeDtypeStruct((items, A * B, H), out.dtype),
+                           jax.ShapeDtypeStruct((items, A * B), lse.dtype)))
+  parts = (out.reshape(items, P, A * B, H), lse.reshape(items, P, A * B))
+  merged, total = _varying.varying_like(call(*parts), *parts)
+  return merged.reshape(lead + (A, B, H)), total.reshape(lead + (A, B))
 
 
 def _backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg,
@@ -436,10 +455,12 @@ def _gpu_forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
     return _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg,
                          gpu_tile=_config.SM90_FORWARD.tile_for(q.shape[-1]))
 
-  def call(q, k, v, q_len, kv_len):
-    return _forward_call(config, q, k, v, None, None, q_len, kv_len, None, None)
+  def call(q, k, v, q_len, kv_len, heads_major):
+    return _forward_call(config, q, k, v, None, None, q_len, kv_len, None, None,
+                         heads_major=heads_major)
 
-  return _split_kv.forward(plan, call, q, k, v, q_len, kv_len)
+  return _split_kv.forward(plan, call, q, k, v, q_len, kv_len,
+                           merge_heads_major=_forward_merge_call)
 
 
 def _forward_impl(spec: _sharding.CallSpec, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):

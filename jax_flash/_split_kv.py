@@ -7,10 +7,14 @@ few to fill the GPU, and under grouped-query attention every query head of a gro
 same keys again. So, for calls that fit (`plan`):
 
 - the query heads of a key/value group become query rows: q ``(batch..., T, K*G, H)`` is
-  attended as ``(batch..., T*G, K, H)`` (row ``t*G + g``), and K/V are read once per group;
+  attended as ``(batch..., T*G, K, H)`` (row ``t*G + g``), and K/V are read once per group.
+  A single row (T = 1) needs no copy: ``(batch..., 1, K*G, H)`` is already ``(batch..., K, G,
+  H)``, rows ``g`` of head ``k`` in the kernel's heads-major layout, and so is its output;
 - the keys are split into `splits` equal chunks, each a batch item of its own (a reshape, no
   copy; the queries broadcast over the new batch axis), and the chunks' partial results merge
-  exactly through their log-sum-exps.
+  exactly through their log-sum-exps (`merge`). On the GPU a single row's heads-major results
+  merge in one small kernel (jax_flash's forward merge) rather than in XLA's three reductions;
+  more rows keep `merge`, whose reductions XLA fuses with the transpositions back.
 
 The log-sum-exp returned is the merged one, so the backward (which recomputes from it) is that
 of the plain call. Only calls without a window (and so without causal masking, whose rows
@@ -80,29 +84,41 @@ def plan(q_shape, k_shape, config, has_segments: bool, sm_count: int | None = No
   return Plan(groups, splits)
 
 
-def _merge(out, lse):
-  """The exact combination of the chunks' partial results: out (..., P, rows, K, H) and
-  lse (..., P, K, rows) -> (..., rows, K, H) and (..., K, rows)."""
+def merge(out, lse):
+  """The exact combination of the chunks' partial results: out (..., P, A, B, H) and the
+  log-sum-exps of its rows, lse (..., P, A, B) -> (..., A, B, H) and (..., A, B). (On the GPU
+  one kernel does the same: jax_flash's forward merge.)"""
   total = jax.nn.logsumexp(lse, axis=-3)
   live = jnp.isfinite(total)[..., None, :, :]
   safe = jnp.where(live, total[..., None, :, :], 0)
-  weight = jnp.where(live, jnp.exp(lse - safe), 0)  # (..., P, K, rows)
-  weight = jnp.swapaxes(weight, -1, -2)[..., None]  # (..., P, rows, K, 1)
+  weight = jnp.where(live, jnp.exp(lse - safe), 0)[..., None]  # (..., P, A, B, 1)
   acc = _config.accumulation_dtype(out.dtype)
   return jnp.sum(out.astype(acc) * weight, axis=-4).astype(out.dtype), total
 
 
-def forward(p: Plan, call, q, k, v, q_len, kv_len):
-  """(out, lse) of the attention of q against k, v by `p`, where `call(q, k, v, q_len, kv_len)`
-  runs the forward kernel on operands with any number of leading batch axes."""
+def _only_chunk(out, lse):
+  """The results of a key range left whole: out (..., 1, A, B, H), lse (..., 1, A, B)."""
+  return out[..., 0, :, :, :], lse[..., 0, :, :]
+
+
+def forward(p: Plan, call, q, k, v, q_len, kv_len, merge_heads_major=merge):
+  """(out, lse) of the attention of q against k, v by `p`, where
+  `call(q, k, v, q_len, kv_len, heads_major)` runs the forward kernel on operands with any
+  number of leading batch axes, q and its output laid out (..., N, T, H) where heads_major, and
+  `merge_heads_major` combines a single row's chunks as `merge` does."""
   T, N, H = q.shape[-3:]
   S, K, _ = k.shape[-3:]
   G = p.groups
   batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3],
                                *(x.shape for x in (q_len, kv_len) if x is not None))
-  # Query heads k*G + g -> rows t*G + g of head k.
-  rows = q.reshape(q.shape[:-2] + (K, G, H))
-  rows = jnp.swapaxes(rows, -3, -2).reshape(q.shape[:-3] + (T * G, K, H))
+  # Query heads k*G + g -> rows t*G + g of head k: for one row a reshape into the heads-major
+  # (..., K, G, H), else a transposition into (..., T*G, K, H).
+  heads_major = T == 1
+  if heads_major:
+    rows = q.reshape(q.shape[:-3] + (K, G, H))
+  else:
+    rows = q.reshape(q.shape[:-2] + (K, G, H))
+    rows = jnp.swapaxes(rows, -3, -2).reshape(q.shape[:-3] + (T * G, K, H))
   if q_len is not None:
     q_len = jnp.broadcast_to(q_len * G, batch)
   P, C = p.splits, S // p.splits
@@ -116,8 +132,13 @@ def forward(p: Plan, call, q, k, v, q_len, kv_len):
     starts = jnp.arange(P, dtype=jnp.int32) * C
     kv_len = jnp.clip(jnp.broadcast_to(kv_len, batch)[..., None] - starts, 0, C).astype(
         jnp.int32)
-  out, lse = call(rows, k, v, q_len, kv_len)  # (batch..., P, T*G, K, H), (batch..., P, K, T*G)
-  out, lse = _merge(out, lse)
+  out, lse = call(rows, k, v, q_len, kv_len, heads_major)
+  if heads_major:  # (batch..., P, K, G, H), (batch..., P, K, G)
+    out, lse = (merge_heads_major if P > 1 else _only_chunk)(out, lse)
+    return out.reshape(out.shape[:-3] + (1, N, H)), lse.reshape(lse.shape[:-2] + (N, 1))
+  # (batch..., P, T*G, K, H), (batch..., P, K, T*G)
+  lse = jnp.swapaxes(lse, -1, -2)
+  out, lse = (merge if P > 1 else _only_chunk)(out, lse)  # (..., T*G, K, H), (..., T*G, K)
   out = jnp.swapaxes(out.reshape(out.shape[:-3] + (T, G, K, H)), -3, -2)
-  lse = jnp.swapaxes(lse.reshape(lse.shape[:-2] + (K, T, G)), -2, -1)
+  lse = jnp.swapaxes(lse.reshape(lse.shape[:-2] + (T, G, K)), -3, -1)  # (..., K, G, T)
   return out.reshape(out.shape[:-3] + (N, H)), lse.reshape(lse.shape[:-3] + (N, T))

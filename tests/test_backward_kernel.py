@@ -148,7 +148,8 @@ def _direct_backward(q, workspace_bytes, **overrides):
   attrs = dict(scale=np.float64(0.125), softcap=np.float64(0.0), window_left=np.int64(-1),
                window_right=np.int64(-1), has_bias=False, has_bias_blocks=False, has_mask=False,
                has_mask_blocks=False, has_q_seqlens=False, has_kv_seqlens=False,
-               has_segment_ids=False, deterministic=False, has_dbias=False)
+               has_segment_ids=False, deterministic=False, has_dbias=False,
+               heads_major=False)
   attrs.update(overrides)
   call = jax.ffi.ffi_call(_extension.BACKWARD_TARGET, results)
   return jax.block_until_ready(call(q, q, q, q, lse, q, lse, **attrs))

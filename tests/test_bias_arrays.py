@@ -261,7 +261,7 @@ def test_gpu_bias_handler_checks(platform):
   attrs = dict(scale=np.float64(0.125), softcap=np.float64(0.0), window_left=np.int64(-1),
                window_right=np.int64(-1), has_bias=True, has_bias_blocks=True, has_mask=False,
                has_mask_blocks=False, has_q_seqlens=False, has_kv_seqlens=False,
-               has_segment_ids=False, deterministic=False, has_dbias=False)
+               has_segment_ids=False, deterministic=False, has_dbias=False, heads_major=False)
   forward = jax.ffi.ffi_call(_extension.FORWARD_TARGET,
                              (jax.ShapeDtypeStruct(q.shape, dtype),
                               jax.ShapeDtypeStruct((1, 2, 128), jnp.float32)))

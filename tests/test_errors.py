@@ -538,7 +538,7 @@ def _attrs(**overrides):
   attrs = dict(scale=np.float64(0.5), softcap=np.float64(0.0), window_left=np.int64(-1),
                window_right=np.int64(-1), has_bias=False, has_bias_blocks=False, has_mask=False,
                has_mask_blocks=False, has_q_seqlens=False, has_kv_seqlens=False,
-               has_segment_ids=False, deterministic=False, has_dbias=False)
+               has_segment_ids=False, deterministic=False, has_dbias=False, heads_major=False)
   attrs.update(overrides)
   return attrs
 
@@ -656,6 +656,19 @@ def test_backward_handler_rejects_dbias_flag_without_bias():
   operands, results = _backward_parts()
   with pytest.raises(jax.errors.JaxRuntimeError, match="has_dbias"):
     _backward(operands, results + [((1, 4, 5, 7), np.float32)], has_dbias=True)
+
+
+def test_forward_handler_reads_the_query_in_the_layout_of_the_output():
+  """heads_major: q is (batch, N, T, H) like out; one laid out (batch, T, N, H) is refused."""
+  q, k, v = (np.zeros(x.shape, np.float32) for x in arrays())  # q (2, 5, 4, 8): T = 5, N = 4
+  with pytest.raises(jax.errors.JaxRuntimeError, match="query"):
+    _forward([q, k, v], out_shape=(2, 4, 5, 8), heads_major=True)
+
+
+def test_backward_handler_rejects_heads_major():
+  operands, results = _backward_parts()
+  with pytest.raises(jax.errors.JaxRuntimeError, match="heads_major"):
+    _backward(operands, results, heads_major=True)
 
 
 def test_backward_handler_takes_a_bias_without_its_gradient():

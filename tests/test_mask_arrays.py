@@ -186,7 +186,7 @@ def test_gpu_handler_checks_the_mask_operands(platform):
   attrs = dict(scale=np.float64(0.125), softcap=np.float64(0.0), window_left=np.int64(-1),
                window_right=np.int64(-1), has_bias=False, has_bias_blocks=False,
                has_q_seqlens=False, has_kv_seqlens=False, has_segment_ids=False,
-               deterministic=False, has_dbias=False)
+               deterministic=False, has_dbias=False, heads_major=False)
   jax.block_until_ready(call(q, q, q, blocks, bits, has_mask=False, has_mask_blocks=True,
                              **attrs))
   for operands, array, with_tiles, name in (

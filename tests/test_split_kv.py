@@ -29,23 +29,28 @@ def _inputs(B, T, S, N, K, H, dtype, seed=0):
 
 @pytest.mark.parametrize("groups,splits", [(1, 2), (4, 1), (4, 8), (2, 4)])
 @pytest.mark.parametrize("lengths", [False, True])
-def test_split_and_packed_forward_equals_the_plain_call(groups, splits, lengths):
+@pytest.mark.parametrize("T", [3, 1])
+def test_split_and_packed_forward_equals_the_plain_call(groups, splits, lengths, T):
   """The transformation around the CPU kernel gives the plain call's output and log-sum-exp,
-  with ragged lengths (an item without keys, one ending inside a chunk, one without queries)."""
-  B, T, S, K, H = 3, 3, 1024, 2, 16
+  with ragged lengths (an item without keys, one ending inside a chunk, one without queries).
+  One query row takes the kernel's heads-major layout, more rows the transposed query."""
+  B, S, K, H = 3, 1024, 2, 16
   q, k, v = _inputs(B, T, S, K * groups, K, H, jnp.float32)
-  q_len = jnp.asarray([T, 2, 0], jnp.int32) if lengths else None
+  q_len = jnp.asarray([T, T - 1, 0], jnp.int32) if lengths else None
   kv_len = jnp.asarray([0, 300, S], jnp.int32) if lengths else None
   call = functools.partial(_primitive._forward_call, PLAIN)
   want_out, want_lse = jax.jit(call)(q, k, v, None, None, q_len, kv_len, None, None)
+  layouts = []
+
+  def kernel(q, k, v, q_len, kv_len, heads_major):
+    layouts.append(heads_major)
+    return call(q, k, v, None, None, q_len, kv_len, None, None, heads_major=heads_major)
 
   def split(q, k, v):
-    return _split_kv.forward(_split_kv.Plan(groups, splits),
-                             lambda q, k, v, q_len, kv_len: call(q, k, v, None, None, q_len,
-                                                                 kv_len, None, None),
-                             q, k, v, q_len, kv_len)
+    return _split_kv.forward(_split_kv.Plan(groups, splits), kernel, q, k, v, q_len, kv_len)
 
   out, lse = jax.jit(split)(q, k, v)
+  assert layouts == [T == 1]
   assert out.shape == want_out.shape and lse.shape == want_lse.shape
   np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
   np.testing.assert_allclose(np.where(np.isneginf(want_lse), 0, lse),
@@ -94,6 +99,7 @@ DECODE_CASES = [
     Case(T=16, S=4096, B=3, N=8, K=2, H=64, kv_lens=(0, 4096, 1000)),
     Case(T=2, S=8192, B=None, N=4, K=4, H=64),
     Case(T=1, S=8192, B=2, N=8, K=1, H=256, softcap=30.0, kv_lens=(5000, 8192)),
+    Case(T=1, S=4096, B=3, N=32, K=8, H=64, q_lens=(1, 0, 1), kv_lens=(4096, 1, 0)),
 ]
 
 
@@ -112,3 +118,75 @@ def test_gpu_decode_shapes(case, dtype):
   assert _split_kv.plan(q_shape, k_shape, PLAIN, False) is not None, "not a decoding shape"
   check_forward(case, "gpu")
   check_gradients(case, "gpu")
+
+
+# --- the GPU's merge kernel --------------------------------------------------------------------
+
+
+@pytest.fixture
+def platform():
+  """The merge kernel's tests run on the GPU only (skipped without one, failed with
+  JAX_FLASH_REQUIRE_GPU=1), under its default device."""
+  from conftest import require_gpu
+
+  require_gpu()
+  return "gpu"
+
+
+def _parts(items, P, rows, H, dtype, seed=0):
+  """Partial outputs and log-sum-exps of P chunks, some rows dead in some chunks or in all."""
+  rng = np.random.default_rng(seed)
+  out = rng.standard_normal((items, P, rows, H)).astype(np.float32)
+  lse = (rng.standard_normal((items, P, rows)) * 8).astype(np.float32)
+  lse[:, ::3, 1] = -np.inf  # row 1 sees no key in every third chunk: its output there is 0
+  out[:, ::3, 1] = 0
+  lse[:, :, 2] = -np.inf  # row 2 sees no key at all
+  out[:, :, 2] = 0
+  return jnp.asarray(out, dtype), jnp.asarray(lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("P,H", [(1, 64), (16, 128), (64, 256), (5, 72)])
+def test_gpu_forward_merge_equals_the_definition(platform, P, H, dtype):
+  """The CUDA merge kernel against `_split_kv.merge` (float32 weights and sums, both): the
+  log-sum-exp to float32 rounding, the output to one rounding of the dtype; dead rows exactly
+  0 and -inf."""
+  out, lse = _parts(3, P, 37, H, dtype)
+  out, lse = out[..., None, :], lse[..., None]  # (items, P, 37 rows, 1 head, H)
+  got_out, got_lse = jax.jit(_primitive._forward_merge_call)(out, lse)
+  want_out, want_lse = jax.jit(_split_kv.merge)(out, lse)
+  got_out, got_lse = np.asarray(got_out[..., 0, :], np.float32), np.asarray(got_lse[..., 0])
+  want_out, want_lse = np.asarray(want_out[..., 0, :], np.float32), np.asarray(want_lse[..., 0])
+  assert np.all(got_lse[:, 2] == -np.inf) and np.all(got_out[:, 2] == 0)
+  np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
+  live = ~np.isneginf(want_lse)
+  # Two float32 implementations of exp and log, sums in other orders: a few float32 ulps.
+  np.testing.assert_allclose(got_lse[live], want_lse[live], rtol=1e-6, atol=1e-6)
+  # Both sum float32 products in different orders and round once to the dtype.
+  ulp = np.abs(want_out) * float(jnp.finfo(dtype).eps) + float(jnp.finfo(dtype).smallest_normal)
+  assert np.all(np.abs(got_out - want_out) <= ulp), np.abs(got_out - want_out).max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("change,mentioned", [
+    (dict(out=((2, 4, 5, 8), np.float32)), "out_parts"),
+    (dict(lse=((2, 4, 6), np.float32)), "lse_parts"),
+    (dict(lse=((2, 4, 5), np.float16)), "lse_parts"),
+    (dict(result=((2, 5, 9), jnp.bfloat16)), "output"),
+    (dict(result=((2, 5, 8), jnp.float16)), "output"),
+    (dict(result_lse=((2, 4), np.float32)), "lse"),
+    (dict(out=((2, 4, 5, 6), jnp.bfloat16), result=((2, 5, 6), jnp.bfloat16)), "multiples of 4"),
+], ids=["out-dtype", "lse-rows", "lse-dtype", "output-shape", "output-dtype", "lse-shape",
+        "head-dim"])
+def test_gpu_forward_merge_handler_rejects_inconsistent_buffers(platform, change, mentioned):
+  from jax_flash import _extension
+
+  _extension.ensure_registered()
+  spec = dict(out=((2, 4, 5, 8), jnp.bfloat16), lse=((2, 4, 5), np.float32),
+              result=((2, 5, 8), jnp.bfloat16), result_lse=((2, 5), np.float32))
+  spec.update(change)
+  call = jax.ffi.ffi_call(_extension.FORWARD_MERGE_TARGET,
+                          tuple(jax.ShapeDtypeStruct(*spec[n]) for n in ("result", "result_lse")))
+  with pytest.raises(jax.errors.JaxRuntimeError, match=mentioned):
+    jax.block_until_ready(call(jnp.zeros(*spec["out"]), jnp.zeros(*spec["lse"])))

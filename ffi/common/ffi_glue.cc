@@ -139,6 +139,22 @@ Status CheckDtype(const char* name, const Operand& operand, ElementType expected
     if (!_status.ok()) return _status;      \
   } while (0)
 
+//! Describes a query-rows operand (q, out) as (T, N, H): laid out so, or with `heads_major`
+//! laid out (N, T, H), its strides then swapped into the (T, N, H) roles.
+Status DescribeQueryRows(const char* name, const BufferView& view, const BatchShape& batch,
+                         const AttentionShape& s, bool heads_major, BatchCheck batch_check,
+                         Operand* operand) {
+  if (!heads_major) {
+    return Describe(name, view, batch, {s.seqlen_q, s.num_heads, s.head_dim},
+                    InnerCheck::kExact, batch_check, operand);
+  }
+  JF_RETURN_IF_ERROR(Describe(name, view, batch, {s.num_heads, s.seqlen_q, s.head_dim},
+                              InnerCheck::kExact, batch_check, operand));
+  std::swap(operand->stride[0], operand->stride[1]);
+  std::swap(operand->extent[0], operand->extent[1]);
+  return Status::Ok();
+}
+
 //! Reads the batch shape from a full-shaped result buffer (out or dq).
 Status BatchShapeOf(const char* name, ffi::Span<const int64_t> dims, BatchShape* batch) {
   const int rank = static_cast<int>(dims.size());
@@ -165,8 +181,8 @@ Status DescribeInputs(const AttentionAttrs& attrs, const BatchShape& batch,
   AttentionShape& s = p->shape;
   s.batch = batch;
   const int r = batch.rank;
-  s.seqlen_q = out_dims[r];
-  s.num_heads = out_dims[r + 1];
+  s.seqlen_q = out_dims[attrs.heads_major ? r + 1 : r];
+  s.num_heads = out_dims[attrs.heads_major ? r : r + 1];
   s.head_dim = out_dims[r + 2];
   const auto k_dims = k.dimensions();
   if (static_cast<int>(k_dims.size()) != r + 3) {
@@ -183,8 +199,8 @@ Status DescribeInputs(const AttentionAttrs& attrs, const BatchShape& batch,
                                    ") must be a multiple of key/value heads (" +
                                    std::to_string(s.num_kv_heads) + ")");
   }
-  JF_RETURN_IF_ERROR(Describe("query", ViewOf(q), batch, {s.seqlen_q, s.num_heads, s.head_dim},
-                              InnerCheck::kExact, BatchCheck::kFullOrOne, &p->q));
+  JF_RETURN_IF_ERROR(DescribeQueryRows("query", ViewOf(q), batch, s, attrs.heads_major,
+                                       BatchCheck::kFullOrOne, &p->q));
   JF_RETURN_IF_ERROR(Describe("key", ViewOf(k), batch, {s.seqlen_k, s.num_kv_heads, s.head_dim},
                               InnerCheck::kExact, BatchCheck::kFullOrOne, &p->k));
   JF_RETURN_IF_ERROR(Describe("value", ViewOf(v), batch, {s.seqlen_k, s.num_kv_heads, s.head_dim},
@@ -331,8 +347,8 @@ Status MakeForwardParams(const AttentionAttrs& attrs, ffi::AnyBuffer q, ffi::Any
   JF_RETURN_IF_ERROR(
       DescribeInputs(attrs, batch, out->dimensions(), q, k, v, optional_args, p));
   const AttentionShape& s = p->shape;
-  JF_RETURN_IF_ERROR(Describe("output", ViewOf(*out), batch, {s.seqlen_q, s.num_heads, s.head_dim},
-                              InnerCheck::kExact, BatchCheck::kFull, &p->out));
+  JF_RETURN_IF_ERROR(DescribeQueryRows("output", ViewOf(*out), batch, s, attrs.heads_major,
+                                       BatchCheck::kFull, &p->out));
   JF_RETURN_IF_ERROR(CheckDtype("output", p->out, s.dtype));
   JF_RETURN_IF_ERROR(Describe("lse", ViewOf(*lse), batch, {s.num_heads, s.seqlen_q},
                               InnerCheck::kExact, BatchCheck::kFull, &p->lse));
@@ -348,6 +364,10 @@ Status MakeBackwardParams(const AttentionAttrs& attrs, ffi::AnyBuffer q, ffi::An
                           const ffi::RemainingRets& optional_rets, size_t platform_rets,
                           BackwardParams* p) {
   *p = BackwardParams{};
+  if (attrs.heads_major) {
+    return Status::InvalidArgument("jax_flash: the backward takes q, out, dout and dq laid out "
+                                   "(batch..., T, N, H) only (heads_major must be false)");
+  }
   p->deterministic = attrs.deterministic;
   ForwardParams& f = p->fwd;
   BatchShape batch;
@@ -395,6 +415,42 @@ Status MakeBackwardParams(const AttentionAttrs& attrs, ffi::AnyBuffer q, ffi::An
                                 InnerCheck::kExact, BatchCheck::kFullOrOne, &p->dbias));
     JF_RETURN_IF_ERROR(CheckDtype("dbias", p->dbias, bias.dtype));
   }
+  return Status::Ok();
+}
+
+Status DescribeForwardMerge(ffi::AnyBuffer out_parts, ffi::AnyBuffer lse_parts,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                            ForwardMergeOperands* m) {
+  *m = ForwardMergeOperands{};
+  const auto dims = out_parts.dimensions();
+  if (dims.size() != 4) {
+    return Status::InvalidArgument("jax_flash: out_parts must have rank 4 (items, parts, rows, "
+                                   "head dim), got shape " + DimsToString(dims));
+  }
+  m->items = dims[0];
+  m->parts = dims[1];
+  m->rows = dims[2];
+  m->head_dim = dims[3];
+  BatchShape items;
+  items.rank = 1;
+  items.extent[0] = m->items;
+  JF_RETURN_IF_ERROR(Describe("out_parts", ViewOf(out_parts), items,
+                              {m->parts, m->rows, m->head_dim}, InnerCheck::kExact,
+                              BatchCheck::kFull, &m->out_parts));
+  JF_RETURN_IF_ERROR(Describe("lse_parts", ViewOf(lse_parts), items, {m->parts, m->rows},
+                              InnerCheck::kExact, BatchCheck::kFull, &m->lse_parts));
+  JF_RETURN_IF_ERROR(Describe("output", ViewOf(*out), items, {m->rows, m->head_dim},
+                              InnerCheck::kExact, BatchCheck::kFull, &m->out));
+  JF_RETURN_IF_ERROR(Describe("lse", ViewOf(*lse), items, {m->rows}, InnerCheck::kExact,
+                              BatchCheck::kFull, &m->lse));
+  const ElementType dtype = m->out_parts.dtype;
+  if (dtype != ElementType::kBFloat16 && dtype != ElementType::kFloat16) {
+    return Status::InvalidArgument(std::string("jax_flash: out_parts has dtype ") +
+                                   ElementTypeName(dtype) + ", expected bfloat16 or float16");
+  }
+  JF_RETURN_IF_ERROR(CheckDtype("output", m->out, dtype));
+  JF_RETURN_IF_ERROR(CheckDtype("lse_parts", m->lse_parts, LseType(dtype)));
+  JF_RETURN_IF_ERROR(CheckDtype("lse", m->lse, LseType(dtype)));
   return Status::Ok();
 }
 

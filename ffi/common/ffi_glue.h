@@ -44,6 +44,10 @@ struct AttentionAttrs {
   bool has_segment_ids;  //!< the four segment operands (see above)
   bool deterministic;  //!< backward: bit-identical gradients across runs (forward: unused)
   bool has_dbias;  //!< backward: the bias gradient is returned (needs has_bias; forward: unused)
+  //! forward: q and out are laid out (batch..., N, T, H) instead of (batch..., T, N, H), so that
+  //! a decoding step's query heads of a key/value group are rows of one head without a copy
+  //! (jax_flash/_split_kv.py); backward: must be false.
+  bool heads_major;
 };
 
 //! Appends the shared forward signature to a binding that already holds the platform context.
@@ -93,6 +97,20 @@ Status MakeBackwardParams(const AttentionAttrs& attrs, ffi::AnyBuffer q, ffi::An
                           const ffi::RemainingRets& optional_rets, size_t platform_rets,
                           BackwardParams* params);
 
+//! The buffers of the forward merge (the CUDA handler that joins a forward split along the
+//! keys): out_parts (items, parts, rows, H) and lse_parts (items, parts, rows) into out
+//! (items, rows, H) and lse (items, rows).
+struct ForwardMergeOperands {
+  Operand out_parts, lse_parts, out, lse;
+  int64_t items = 0, parts = 0, rows = 0, head_dim = 0;
+};
+
+//! Checks the merge's buffers against each other: ranks, extents, a 16-bit floating output
+//! dtype shared by out_parts and out, and float32 log-sum-exps.
+Status DescribeForwardMerge(ffi::AnyBuffer out_parts, ffi::AnyBuffer lse_parts,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                            ForwardMergeOperands* operands);
+
 ffi::Error ToFfiError(const Status& status);
 
 const char* ElementTypeName(ElementType dtype);
@@ -113,4 +131,5 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_flash::AttentionAttrs,
                                       ::xla::ffi::StructMember<bool>("has_kv_seqlens"),
                                       ::xla::ffi::StructMember<bool>("has_segment_ids"),
                                       ::xla::ffi::StructMember<bool>("deterministic"),
-                                      ::xla::ffi::StructMember<bool>("has_dbias"));
+                                      ::xla::ffi::StructMember<bool>("has_dbias"),
+                                      ::xla::ffi::StructMember<bool>("heads_major"));

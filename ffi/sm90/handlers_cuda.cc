@@ -1,11 +1,13 @@
 /*! \file handlers_cuda.cc
-    \brief The "CUDA" platform FFI handlers of both passes: validate, build parameters, launch
-           the Hopper kernels on XLA's stream. The backward's workspace arrives as its last
-           result (allocated by XLA like a temporary). Host compiler only.
+    \brief The "CUDA" platform FFI handlers of both passes and of the merge of a split
+           forward: validate, build parameters, launch the Hopper kernels on XLA's stream. The
+           backward's workspace arrives as its last result (allocated by XLA like a
+           temporary). Host compiler only.
 */
 #include <cuda_runtime_api.h>
 
 #include <array>
+#include <climits>
 #include <mutex>
 #include <string>
 
@@ -94,6 +96,32 @@ ffi::Error BackwardCuda(cudaStream_t stream, int32_t device, AttentionAttrs attr
   return ToFfiError(status);
 }
 
+ffi::Error ForwardMergeCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer out_parts,
+                            ffi::AnyBuffer lse_parts, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::AnyBuffer> lse) {
+  ForwardMergeOperands m;
+  Status status = DescribeForwardMerge(out_parts, lse_parts, out, lse, &m);
+  sm90::LaunchContext context;
+  if (status.ok()) status = GetLaunchContext(stream, device, &context);
+  if (status.ok() && (m.parts > INT32_MAX || m.rows > INT32_MAX || m.head_dim > INT32_MAX)) {
+    status = Status::InvalidArgument("jax_flash: the forward merge's extents exceed int32");
+  }
+  if (status.ok()) {
+    sm90::ForwardMergeParams params;
+    params.out_parts = m.out_parts.data;
+    params.lse_parts = static_cast<const float*>(m.lse_parts.data);
+    params.out = m.out.data;
+    params.lse = static_cast<float*>(m.lse.data);
+    params.items = m.items;
+    params.parts = int32_t(m.parts);
+    params.rows = int32_t(m.rows);
+    params.head_dim = int32_t(m.head_dim);
+    params.dtype = m.out_parts.dtype;
+    status = sm90::RunForwardMerge(params, context);
+  }
+  return ToFfiError(status);
+}
+
 }  // namespace
 }  // namespace jax_flash
 
@@ -106,3 +134,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBackwardCuda, jax_flash::BackwardCuda,
                               jax_flash::BindBackward(xla::ffi::Ffi::Bind()
                                                           .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                                           .Ctx<xla::ffi::DeviceOrdinal>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashForwardMergeCuda, jax_flash::ForwardMergeCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Arg<xla::ffi::AnyBuffer>()   // out_parts
+                                  .Arg<xla::ffi::AnyBuffer>()   // lse_parts
+                                  .Ret<xla::ffi::AnyBuffer>()   // out
+                                  .Ret<xla::ffi::AnyBuffer>());  // lse

@@ -101,6 +101,24 @@ Status GetBackwardWorkspaceLayout(const BackwardParams& params, BackwardWorkspac
 Status RunBackward(const BackwardParams& params, const BackwardWorkspaceLayout& layout,
                    void* workspace, const LaunchContext& context);
 
+//! The merge of a forward split along the keys into parts (jax_flash/_split_kv.py), each part
+//! holding its rows' normalised outputs and log-sum-exps (kernel_fwd_merge.h).
+struct ForwardMergeParams {
+  const void* out_parts = nullptr;   //!< (items, parts, rows, head_dim), dtype
+  const float* lse_parts = nullptr;  //!< (items, parts, rows)
+  void* out = nullptr;               //!< (items, rows, head_dim), dtype
+  float* lse = nullptr;              //!< (items, rows)
+  int64_t items = 0;
+  int32_t parts = 0;
+  int32_t rows = 0;
+  int32_t head_dim = 0;
+  ElementType dtype = ElementType::kBFloat16;
+};
+
+//! Merges the parts of a split forward: rows' log-sum-exps over the parts and outputs weighted
+//! by exp(lse_part - lse). Validates the extents it relies on.
+Status RunForwardMerge(const ForwardMergeParams& params, const LaunchContext& context);
+
 //! One compiled configuration of each pass; defined in launch_fwd.cuh / launch_bwd.cuh,
 //! instantiated per tile and dtype.
 template <ElementType kDtype, int kTileHeadDim, int kTileBlockM>

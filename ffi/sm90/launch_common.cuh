@@ -198,15 +198,21 @@ inline Status check_bias_operands(const ForwardParams& p, int block_m, int block
   return Status::Ok();
 }
 
-//! Global tensor (sequence, head dim, heads, batch items) of a BTNH operand read in place; its
-//! batch items are those the operand holds (broadcast axes excluded).
+//! Global tensor (sequence, head dim, heads, batch items) of a (T, N, H) operand read in place
+//! with its own strides (a heads-major q or out among them); its batch items are those the
+//! operand holds (broadcast axes excluded).
 template <class Element>
 auto sequence_tensor(const Operand& op, int64_t seqlen, int64_t heads, int64_t head_dim,
                      const BatchShape& batch) {
   using Seq = SequenceTensor<Element>;
   auto shape = typename Seq::Shape(int32_t(seqlen), int32_t(head_dim), int32_t(heads),
                                    int32_t(own_batch_items(batch, op.batch)));
-  auto stride = typename Seq::Stride(heads * head_dim, _1{}, head_dim, op.batch_stride);
+  // An axis of extent 1 has stride 0 in an Operand; a TMA descriptor wants a nonzero stride
+  // there, which never steps.
+  auto axis_stride = [&](int axis) {
+    return op.stride[axis] != 0 ? op.stride[axis] : op.batch_stride;
+  };
+  auto stride = typename Seq::Stride(axis_stride(0), _1{}, axis_stride(1), op.batch_stride);
   return make_tensor(make_gmem_ptr(static_cast<Element const*>(op.data)), shape, stride);
 }
 
