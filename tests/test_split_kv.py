@@ -58,6 +58,26 @@ def test_split_and_packed_forward_equals_the_plain_call(groups, splits, lengths,
   np.testing.assert_allclose(out, want_out, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("window", [None, (40, 0)], ids=["full", "causal-window"])
+def test_heads_major_forward_call_equals_the_plain_call(window):
+  """The forward FFI call with q and the output laid out (batch, N, T, H) gives the plain
+  call's results transposed, for any number of rows: GQA, a window, ragged lengths (an item
+  without queries, one without keys)."""
+  B, T, S, N, K, H = 3, 37, 130, 6, 2, 16
+  q, k, v = _inputs(B, T, S, N, K, H, jnp.float32, seed=1)
+  q_len = jnp.asarray([T, 0, 20], jnp.int32)
+  kv_len = jnp.asarray([S, 77, 0], jnp.int32)
+  config = PLAIN if window is None else AttentionConfig(scale=0.25, window_left=window[0],
+                                                        window_right=window[1])
+  call = functools.partial(_primitive._forward_call, config)
+  want_out, want_lse = jax.jit(call)(q, k, v, None, None, q_len, kv_len, None, None)
+  out, lse = jax.jit(functools.partial(call, heads_major=True))(
+      jnp.swapaxes(q, 1, 2), k, v, None, None, q_len, kv_len, None, None)
+  assert out.shape == (B, N, T, H) and lse.shape == want_lse.shape
+  np.testing.assert_array_equal(np.asarray(jnp.swapaxes(out, 1, 2)), np.asarray(want_out))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+
+
 def test_plan_splits_until_the_gpu_is_full():
   # Split (doubling) while the doubled split gives at most 2 x 132 CTAs and chunks of at
   # least S / 16 keys within [256, 1024].
