@@ -1,6 +1,7 @@
 /*! \file launch_fwd_merge.cu
     \brief RunForwardMerge: checks the merge's extents and launches one warp per (item, row).
 */
+#include <climits>
 #include <string>
 
 #include "kernel_fwd_merge.h"
@@ -32,8 +33,10 @@ Status RunForwardMerge(const ForwardMergeParams& p, const LaunchContext& context
                                    "multiples of " + std::to_string(kMergeColumnsPerLoad) +
                                    ", got " + std::to_string(p.head_dim));
   }
+  // The kernel indexes one item's parts and rows in 32-bit integers, and its grid in blocks.
   constexpr int64_t kMaxBlocks = (int64_t(1) << 31) - 1;
-  if ((p.items * p.rows + kMergeThreads / 32 - 1) / (kMergeThreads / 32) > kMaxBlocks) {
+  if (int64_t(p.parts) * p.rows > INT32_MAX ||
+      (p.items * p.rows + kMergeThreads / 32 - 1) / (kMergeThreads / 32) > kMaxBlocks) {
     return Status::InvalidArgument("jax_flash: the forward merge has too many rows");
   }
   if (p.items * p.rows == 0) return Status::Ok();
