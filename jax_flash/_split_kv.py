@@ -87,7 +87,7 @@ def plan(q_shape, k_shape, config, has_segments: bool, sm_count: int | None = No
 def merge(out, lse):
   """The exact combination of the chunks' partial results: out (..., P, A, B, H) and the
   log-sum-exps of its rows, lse (..., P, A, B) -> (..., A, B, H) and (..., A, B). (On the GPU
-  one kernel does the same: jax_flash's forward merge.)"""
+  one kernel does the same for a single row's chunks: jax_flash's forward merge.)"""
   total = jax.nn.logsumexp(lse, axis=-3)
   live = jnp.isfinite(total)[..., None, :, :]
   safe = jnp.where(live, total[..., None, :, :], 0)
