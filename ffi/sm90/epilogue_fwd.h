@@ -1,8 +1,9 @@
 /*! \file epilogue_fwd.h
-    \brief Forward epilogue collective: its arguments, parameters and shared storage (the output
-           tile, unless O is written over Q); normalises O, writes the log-sum-exp, and stores
-           the O tile through shared memory (stmatrix) with one TMA store, which clips rows past
-           the sequence and columns past the head dim.
+    \brief Forward epilogue collective: its arguments, parameters and shared storage (an output
+           tile per consumer warpgroup, unless O is written over Q); normalises O, writes the
+           log-sum-exp, and stores O through shared memory (stmatrix) with a TMA store per
+           warpgroup (per block over Q), which clips rows past the sequence and columns past
+           the head dim.
 */
 #pragma once
 
@@ -30,6 +31,11 @@ struct ForwardEpilogue {
     float* lse;                        //!< (batch, heads, seqlen_q)
   };
 
+  using SmemLayoutO = typename Traits::SmemLayoutO;
+  static constexpr int kOutputRows = Traits::kOutputRows;
+  //! Threads that store one tile of kOutputRows rows together.
+  static constexpr int kStoreThreads = kOutputRows / 64 * kThreadsPerWarpGroup;
+
   struct Params {
     typename Traits::TmaStoreO tma_store_o;
     typename Traits::ShapeSeq shape_o;
@@ -38,16 +44,17 @@ struct ForwardEpilogue {
 
   static Params to_params(Arguments const& args) {
     Params params;
-    params.tma_store_o = make_tma_copy(SM90_TMA_STORE{}, args.o, typename Traits::SmemLayoutO{},
-                                       select<0, 2>(TileShapeQK{}), _1{});
+    params.tma_store_o = make_tma_copy(SM90_TMA_STORE{}, args.o, SmemLayoutO{},
+                                       Shape<Int<kOutputRows>, Int<Traits::kHeadDim>>{}, _1{});
     params.shape_o = args.o.shape();
     params.lse = args.lse;
     return params;
   }
 
-  //! The output tile, or nothing when the kernel hands the epilogue the query tile instead.
+  //! The consumer warpgroups' output tiles, or nothing when the kernel hands the epilogue the
+  //! query tile instead.
   struct OutputTile {
-    cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutO>, 1024> o;
+    cute::array_aligned<Element, cosize_v<SmemLayoutO> * Traits::kNumConsumerWarpGroups, 1024> o;
   };
   struct NoOutputTile {};
   using SharedStorage = std::conditional_t<Traits::kOutputAliasesQuery, NoOutputTile, OutputTile>;
@@ -58,13 +65,15 @@ struct ForwardEpilogue {
 
   //! Normalises and stores one tile through `smem_o` (this collective's storage, or the query
   //! tile when kOutputAliasesQuery). Every consumer thread calls it, for empty tiles too (tOrO
-  //! is then zero and every row comes out as O = 0, lse = -inf). The caller's thread 0 issues
-  //! the store, and with kOutputAliasesQuery it also waits for the store before returning,
-  //! because the next tile's Q lands in the same shared memory.
+  //! is then zero and every row comes out as O = 0, lse = -inf). The first thread of each
+  //! group of kStoreThreads issues the group's store, and with kOutputAliasesQuery it also
+  //! waits for the store before returning, because the next tile's Q lands in the same shared
+  //! memory. `warp_group`: the consumer warpgroup, warp-uniform as the mainloop's.
   template <class TensorO>
   CUTE_DEVICE static void store(Params const& params, AttentionProblem const& problem,
-                                Element* smem_o, TileInfo const& info, int thread_idx,
-                                TensorO& tOrO, typename Traits::Softmax& softmax) {
+                                Element* smem_o, TileInfo const& info, int warp_group,
+                                int thread_idx, TensorO& tOrO,
+                                typename Traits::Softmax& softmax) {
     typename Traits::TiledMmaPV mma_pv;
     auto thr_pv = mma_pv.get_thread_slice(thread_idx);
     Tensor cO = make_identity_tensor(select<0, 2>(TileShapeQK{}));
@@ -93,24 +102,29 @@ struct ForwardEpilogue {
     Tensor tOrO_out = make_tensor<Element>(tOrO.layout());
     convert_into(tOrO, tOrO_out);
 
-    Tensor sO = make_tensor(make_smem_ptr(smem_o), typename Traits::SmemLayoutO{});
+    // The stored tile: the warpgroup's own, or the block's.
+    const int group = kStoreThreads == kNumConsumerThreads ? 0 : warp_group;
+    const int group_thread = thread_idx % kStoreThreads;
+    const uint32_t group_barrier = static_cast<uint32_t>(ForwardBarrier::kOutputFirst) + group;
+    Tensor sO = make_tensor(make_smem_ptr(smem_o + group * cosize_v<SmemLayoutO>), SmemLayoutO{});
     if constexpr (!Traits::kOutputAliasesQuery) {
-      // The previous tile's store must have finished reading the output tile.
-      if (thread_idx == 0) tma_store_wait<0>();
-      cutlass::arch::NamedBarrier::sync(kNumConsumerThreads,
-                                        static_cast<uint32_t>(ForwardBarrier::kOutputFree));
+      // The group's previous store must have finished reading its output tile.
+      if (group_thread == 0) tma_store_wait<0>();
+      cutlass::arch::NamedBarrier::sync(kStoreThreads, group_barrier);
     }
-    auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
-    auto thr_copy = smem_copy.get_thread_slice(opaque(thread_idx));
+    typename Traits::TiledMmaPVStored mma_stored;
+    auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_stored);
+    auto thr_copy = smem_copy.get_thread_slice(opaque(group_thread));
     copy(smem_copy, thr_copy.retile_S(tOrO_out), thr_copy.partition_D(sO));
     // Generic-proxy writes must be visible to the TMA (async proxy) before the store.
     cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(kNumConsumerThreads,
-                                      static_cast<uint32_t>(ForwardBarrier::kOutputReady));
-    if (thread_idx == 0) {
+    cutlass::arch::NamedBarrier::sync(kStoreThreads, group_barrier);
+    if (group_thread == 0) {
       Tensor mO = params.tma_store_o.get_tma_tensor(params.shape_o);
       Tensor gO = local_tile(mO(_, _, info.coord.head, info.coord.batch),
-                             select<0, 2>(TileShapeQK{}), make_coord(info.coord.block, _0{}));
+                             Shape<Int<kOutputRows>, Int<Traits::kHeadDim>>{},
+                             make_coord(info.coord.block * (Traits::kBlockM / kOutputRows) + group,
+                                        _0{}));
       auto tma_o = params.tma_store_o.get_slice(_0{});
       copy(params.tma_store_o, tma_o.partition_S(sO), tma_o.partition_D(gO));
       tma_store_arrive();
@@ -118,9 +132,9 @@ struct ForwardEpilogue {
     }
   }
 
-  //! Before the CTA exits, its last store must have read shared memory.
+  //! Before the CTA exits, each group's last store must have read shared memory.
   CUTE_DEVICE static void finish(int thread_idx) {
-    if (thread_idx == 0) tma_store_wait<0>();
+    if (thread_idx % kStoreThreads == 0) tma_store_wait<0>();
   }
 };
 

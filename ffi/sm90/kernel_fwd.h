@@ -138,8 +138,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         release_q();
       }
       q_full_phase ^= 1;
-      Epilogue::store(params.epilogue, params.problem, storage.output_tile(), info, thread_idx,
-                      tOrO, softmax);
+      Epilogue::store(params.epilogue, params.problem, storage.output_tile(), info,
+                      consumer_warp_group, thread_idx, tOrO, softmax);
       if constexpr (Traits::kOutputAliasesQuery) {
         if (thread_idx == 0) mainloop_storage.q_empty.arrive();
       }

@@ -90,7 +90,6 @@ struct ForwardKernelTraits {
   using SmemLayoutVt = decltype(composition(
       SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
                                           Step<_2, _1, _3>{})));
-  using SmemLayoutO = SmemLayoutQ;
 
   static constexpr int kQBytes = cosize_v<SmemLayoutQ> * sizeof(Element);
   static constexpr int kKVStageBytes = kBlockN * kHeadDim * sizeof(Element);
@@ -99,6 +98,20 @@ struct ForwardKernelTraits {
   //! Without room for a separate output tile the epilogue writes O over Q (dead by then); the
   //! next block's Q load then waits for the output store instead of the last QK^T GEMM.
   static constexpr bool kOutputAliasesQuery = kQBytes + 2 * kKVBytes + kQBytes + 1024 > kSmemBudget;
+  //! Rows of one output store. With its own output tile, each consumer warpgroup stores its 64
+  //! rows itself, so one done with its rows goes on to the next tile's GEMMs without waiting
+  //! for the others; over Q, the block stores its rows at once.
+  static constexpr int kOutputRows = kOutputAliasesQuery ? kBlockM : 64;
+  using SmemLayoutO = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
+                                                          Int<kOutputRows>, Int<kHeadDim>>(),
+      Shape<Int<kOutputRows>, Int<kHeadDim>>{}));
+  //! The P V product of the warpgroups that store together: its C partition places their
+  //! output fragments in the stored tile.
+  using TiledMmaPVStored = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<Int<kOutputRows / 64>, _1, _1>>{}));
 
   using GmemTensorSeq = typename SequenceTensor<Element>::Type;
   using ShapeSeq = typename SequenceTensor<Element>::Shape;
@@ -108,7 +121,7 @@ struct ForwardKernelTraits {
                                            take<0, 2>(SmemLayoutKV{}), select<1, 2>(TileShapeQK{}),
                                            _1{}));
   using TmaStoreO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorSeq{}, SmemLayoutO{},
-                                           select<0, 2>(TileShapeQK{}), _1{}));
+                                           Shape<Int<kOutputRows>, Int<kHeadDim>>{}, _1{}));
 
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;

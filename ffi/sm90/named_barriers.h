@@ -9,9 +9,10 @@
 namespace jax_flash::sm90 {
 
 enum class ForwardBarrier : uint32_t {
-  kOutputReady = 0,       //!< all consumers wrote their O rows to shared memory
-  kOutputFree = 1,        //!< the previous block's output store finished reading shared memory
-  kWarpGroupTurnFirst = 2,  //!< + consumer warpgroup index: that warpgroup may issue its GEMMs
+  //! + storing group (epilogue_fwd.h): its previous store finished reading its output tile, and
+  //! then its threads wrote their O rows there
+  kOutputFirst = 0,
+  kWarpGroupTurnFirst = 3,  //!< + consumer warpgroup index: that warpgroup may issue its GEMMs
 };
 
 enum class BackwardBarrier : uint32_t {
