@@ -209,7 +209,8 @@ struct ForwardMainloop {
     int n_block = info.keys.end - 1;
     load_k(n_block);
     storage.q_full.arrive_and_expect_tx(Traits::kQBytes);
-    // Each Q tile is read once: it need not stay in L2.
+    // A Q tile is read by one tile (or, decoding with split keys, by one per key chunk, all
+    // at once): it need not stay in L2.
     copy(params.tma_load_q.with(reinterpret_cast<uint64_t&>(storage.q_full), 0,
                                 TMA::CacheHintSm90::EVICT_FIRST),
          tQgQ, tQsQ);
