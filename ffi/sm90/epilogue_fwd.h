@@ -45,7 +45,7 @@ struct ForwardEpilogue {
   static Params to_params(Arguments const& args) {
     Params params;
     params.tma_store_o = make_tma_copy(SM90_TMA_STORE{}, args.o, SmemLayoutO{},
-                                       Shape<Int<kOutputRows>, Int<Traits::kHeadDim>>{}, _1{});
+                                       typename Traits::OutputTileShape{}, _1{});
     params.shape_o = args.o.shape();
     params.lse = args.lse;
     return params;
@@ -122,7 +122,7 @@ struct ForwardEpilogue {
     if (group_thread == 0) {
       Tensor mO = params.tma_store_o.get_tma_tensor(params.shape_o);
       Tensor gO = local_tile(mO(_, _, info.coord.head, info.coord.batch),
-                             Shape<Int<kOutputRows>, Int<Traits::kHeadDim>>{},
+                             typename Traits::OutputTileShape{},
                              make_coord(info.coord.block * (Traits::kBlockM / kOutputRows) + group,
                                         _0{}));
       auto tma_o = params.tma_store_o.get_slice(_0{});

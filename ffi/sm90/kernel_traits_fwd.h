@@ -73,16 +73,23 @@ struct ForwardKernelTraits {
   using TiledMmaQK = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
       AtomLayoutMma{}));
-  using TiledMmaPV = decltype(make_tiled_mma(
+  //! O += P V over kWarpGroups consumer warpgroups of 64 rows each.
+  template <int kWarpGroups>
+  using MmaPVOver = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
-      AtomLayoutMma{}));
+      Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
+  using TiledMmaPV = MmaPVOver<kNumConsumerWarpGroups>;
 
   // Shared memory: 128-byte swizzled K-major tiles for Q, K, V and O; V is read transposed
   // (MN-major) by the second GEMM through a composed view.
-  using SmemLayoutAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-                                   GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDim>>());
-  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  //! A tile of kRows rows of the head dim (Q, O).
+  template <int kRows>
+  using SmemLayoutRows = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kRows>,
+                                                          Int<kHeadDim>>(),
+      Shape<Int<kRows>, Int<kHeadDim>>{}));
+  using SmemLayoutQ = SmemLayoutRows<kBlockM>;
   using SmemLayoutAtomKV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
                                     GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>());
   using SmemLayoutKV = decltype(tile_to_shape(
@@ -102,16 +109,11 @@ struct ForwardKernelTraits {
   //! rows itself, so one done with its rows goes on to the next tile's GEMMs without waiting
   //! for the others; over Q, the block stores its rows at once.
   static constexpr int kOutputRows = kOutputAliasesQuery ? kBlockM : 64;
-  using SmemLayoutO = decltype(tile_to_shape(
-      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
-                                                          Int<kOutputRows>, Int<kHeadDim>>(),
-      Shape<Int<kOutputRows>, Int<kHeadDim>>{}));
+  using OutputTileShape = Shape<Int<kOutputRows>, Int<kHeadDim>>;
+  using SmemLayoutO = SmemLayoutRows<kOutputRows>;
   //! The P V product of the warpgroups that store together: its C partition places their
   //! output fragments in the stored tile.
-  using TiledMmaPVStored = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
-                           GMMA::Major::K, GMMA::Major::MN>(),
-      Layout<Shape<Int<kOutputRows / 64>, _1, _1>>{}));
+  using TiledMmaPVStored = MmaPVOver<kOutputRows / 64>;
 
   using GmemTensorSeq = typename SequenceTensor<Element>::Type;
   using ShapeSeq = typename SequenceTensor<Element>::Shape;
@@ -121,7 +123,7 @@ struct ForwardKernelTraits {
                                            take<0, 2>(SmemLayoutKV{}), select<1, 2>(TileShapeQK{}),
                                            _1{}));
   using TmaStoreO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorSeq{}, SmemLayoutO{},
-                                           Shape<Int<kOutputRows>, Int<kHeadDim>>{}, _1{}));
+                                           OutputTileShape{}, _1{}));
 
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
