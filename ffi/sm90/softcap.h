@@ -4,7 +4,7 @@
 
     The mainloops hold logits as raw products s = q.k and fold the scale into the exponent
     (exp2(s * scale * log2 e - ...)). Where a warp's products of a block all lie within half the
-    cap, tanh comes from an odd polynomial on the FMA units, with that scaling folded into its
+    cap (less under caps far above the logits), tanh comes from an odd polynomial on the FMA units, with that scaling folded into its
     coefficients (SeriesCappedLogits): the special-function unit is left to the softmax's exp2,
     as without the cap. The forward applies it inside the softmax's exponent (a logit map of
     softmax.h); the backward caps in place. The warp's other blocks take exp and a reciprocal.
@@ -17,6 +17,7 @@
 */
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 
 #include <cute/tensor.hpp>
@@ -86,10 +87,9 @@ struct LogitSoftcap {
   float from_tanh;            //!< cap * log2 e: tanh -> capped logit in log2 units
   float tanh_per_log2;        //!< 1 / (cap * log2 e): t from log2 P + lse * log2 e
   SeriesCappedLogits series;  //!< the map of a warp whose products fit the series
-  float series_limit;         //!< |raw product| of |y| = kSeriesReach (0: never the series)
+  float series_limit;         //!< |raw product| up to which the series serves (0: never)
 
   static LogitSoftcap make(float scale, float cap) {
-    constexpr float kLog2e = 1.4426950408889634f;
     // tanh(y) / y for |y| <= kSeriesReach as a polynomial in y^2: the minimax fit of relative
     // error 1.3e-8 (degree 9 in y), its constant term 1. In float32, tanh then errs by at most
     // 6e-8 absolute and 1.1e-7 relative.
@@ -101,16 +101,35 @@ struct LogitSoftcap {
     cap_constants.two_from_tanh = 2.f * cap * kLog2e;
     cap_constants.from_tanh = cap * kLog2e;
     cap_constants.tanh_per_log2 = 1.f / (cap * kLog2e);
-    double coefficient = double(scale) * kLog2e;
+    // Coefficient k is a_k * scale * log2 e * (scale / cap)^(2k). Under a cap far above the
+    // logits' scale the high ones fall below the float range (flushed to 0, a masked logit's
+    // exponent would be 0 * inf); there they are stood in by the least normal float and the
+    // reach shrinks until the dropped term and its stand-in each change the capped logit by at
+    // most 2^-26 relative, so that such caps too are computed by the series (the exp form's absolute
+    // error, about cap * 6e-8 in tanh's units, grows with the cap). Negative scales and caps
+    // whose coefficients overflow take the exp form throughout.
+    constexpr double kLeast = 0x1p-126;
+    constexpr double kTermError = 0x1p-26;
+    const double leading = double(scale) * kLog2e;
+    const double r2 = y_per_raw * y_per_raw;
+    double reach = kSeriesReach;  // in |y|
+    bool usable = scale > 0;
+    double coefficient = leading;
     for (int k = 0; k < 5; ++k) {
-      cap_constants.series.coefficient[k] = float(kTanhOverArg[k] * coefficient);
-      coefficient *= y_per_raw * y_per_raw;
+      const double exact = kTanhOverArg[k] * coefficient;
+      float& stored = cap_constants.series.coefficient[k];
+      stored = float(exact);
+      if (!std::isfinite(stored)) usable = false;
+      if (k > 0 && std::abs(exact) < kLeast) {
+        stored = float(std::copysign(kLeast, kTanhOverArg[k]));
+        const double dropped = std::pow(kTermError / std::abs(kTanhOverArg[k]), 0.5 / k);
+        const double stand_in =
+            std::abs(y_per_raw) * std::pow(kTermError * leading / kLeast, 0.5 / k);
+        reach = std::min(reach, std::min(dropped, stand_in));
+      }
+      coefficient *= r2;
     }
-    // Caps whose leading coefficient would be subnormal (flushed to 0: a masked logit's
-    // exponent would be 0 * inf) or overflow take the exp form throughout.
-    const float leading = cap_constants.series.coefficient[4];
-    const bool series_normal = std::isfinite(leading) && leading >= 0x1p-126f;
-    cap_constants.series_limit = series_normal ? float(kSeriesReach / std::abs(y_per_raw)) : 0.f;
+    cap_constants.series_limit = usable ? float(reach / std::abs(y_per_raw)) : 0.f;
     return cap_constants;
   }
 
