@@ -23,11 +23,14 @@ Two families of one shape (B, T = S, N, H), timed in one process:
                   only, cuDNN has no soft-capping):
                     capped_causal       is_causal=True
                     capped_causal_mask  mask = tril, the (1, 1, T, S) array Flax passes
+                    capped_causal_bias  the causal bias above, added to the capped logits
+  capped learned bias family  the learned bias under the cap (jax_flash only):
+                    capped_head_bias    head_bias with logits_soft_cap=50
 
 Implementations are named <impl>:<way>, impl jax_flash or cudnn (GPU only). Throughput counts
 the visible work only, the same for every way of a family: 4 * B * N * T * S * H halved for
 causal (and capped), 4 * N * T * H * sum(lengths) for padding, 4 * B * N * T * doc_len * H halved for
-documents, 4 * B * N * T * S * H for the learned bias, 3.5x for fwd_bwd. Columns: `vs struct`,
+documents, 4 * B * N * T * S * H for the learned biases, 3.5x for fwd_bwd. Columns: `vs struct`,
 jax_flash's throughput over its structured way in the family (is_causal, lengths); `vs cudnn`,
 over cuDNN's same way. Every output (and gradient) is checked against the family's first row:
 `max diff`.
@@ -60,11 +63,13 @@ FAMILIES = {"causal": ("causal", "causal_mask", "causal_bias"),
             "padding": ("lengths", "padding_mask"),
             "documents": ("segment_ids", "document_mask"),
             "learned_bias": ("head_bias",),
-            "capped": ("capped_causal", "capped_causal_mask")}
+            "capped": ("capped_causal", "capped_causal_mask", "capped_causal_bias"),
+            "capped_learned_bias": ("capped_head_bias",)}
 SOFTCAP = 50.0  # the capped family's logits_soft_cap (Gemma 2's)
 # Ways an implementation does not have.
 UNSUPPORTED = {("cudnn", "segment_ids"), ("cudnn", "capped_causal"),
-               ("cudnn", "capped_causal_mask")}
+               ("cudnn", "capped_causal_mask"), ("cudnn", "capped_causal_bias"),
+               ("cudnn", "capped_head_bias")}
 IMPLS = ("jax_flash", "cudnn")
 GPU_ONLY = ("cudnn",)
 
@@ -79,7 +84,7 @@ def visible_flops(family: str, args, mode: str) -> float:
     flops = 4.0 * B * N * T * T * H * 0.5
   elif family == "documents":
     flops = 4.0 * B * N * T * args.doc_len * H * 0.5
-  elif family == "learned_bias":
+  elif family in ("learned_bias", "capped_learned_bias"):
     flops = 4.0 * B * N * T * T * H
   else:
     flops = 4.0 * N * T * H * sum(lengths_of(B, T))
@@ -99,6 +104,8 @@ def build(impl: str, way: str, args, mode: str):
   def causal_mask():
     return jnp.tril(jnp.ones((T, T), bool))[None, None]
 
+  causal_bias = jnp.where(causal_mask(), 0, jnp.finfo(args.dtype).min).astype(args.dtype)
+
   lengths = jnp.asarray(lengths_of(B, T), jnp.int32)
   ids = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) // args.doc_len, (B, T))
   # Masks are built inside the timed program from positions, lengths or ids, as a Flax model
@@ -106,8 +113,7 @@ def build(impl: str, way: str, args, mode: str):
   options = {
       "causal": dict(is_causal=True),
       "causal_mask": dict(mask=causal_mask),
-      "causal_bias": dict(bias=jnp.where(causal_mask(), 0, jnp.finfo(args.dtype).min)
-                          .astype(args.dtype)),
+      "causal_bias": dict(bias=causal_bias),
       "lengths": dict(key_value_seq_lengths=lengths),
       "padding_mask": dict(mask=lambda: (jnp.arange(T) < lengths[:, None])[:, None, None]),
       "segment_ids": dict(is_causal=True, query_segment_ids=ids, key_value_segment_ids=ids),
@@ -116,10 +122,12 @@ def build(impl: str, way: str, args, mode: str):
       "head_bias": {},
       "capped_causal": dict(is_causal=True, logits_soft_cap=SOFTCAP),
       "capped_causal_mask": dict(mask=causal_mask, logits_soft_cap=SOFTCAP),
+      "capped_causal_bias": dict(bias=causal_bias, logits_soft_cap=SOFTCAP),
+      "capped_head_bias": dict(logits_soft_cap=SOFTCAP),
   }[way]
   # Differentiated operands: q, k, v and, for the learned bias, the bias.
   primals = (q, k, v)
-  if way == "head_bias":
+  if way in ("head_bias", "capped_head_bias"):
     primals += (jax.random.normal(keys[4], (1, N, T, T), args.dtype),)
   if impl == "jax_flash":
     call = jax_flash.dot_product_attention

@@ -85,8 +85,11 @@ def cases():
     if "bias" in _config.SM90_FORWARD.features | _config.SM90_BACKWARD.features:
       yield dict(H=H, dtype=dtypes[i % len(dtypes)], is_causal=True, window=None,
                  lengths="ragged", bias="BNTS")
+      # With soft-capping where the kernels combine the two.
+      capped = all(frozenset({"softcap", "bias"}) in kernel.combinations
+                   for kernel in (_config.SM90_FORWARD, _config.SM90_BACKWARD))
       yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=False, window=(40, 9),
-                 lengths=None, bias="B11S", S=256)
+                 lengths=None, bias="B11S", S=256, softcap=3.0 if capped else None)
       yield dict(H=H, dtype=dtypes[0], is_causal=False, window=None, lengths="ragged",
                  bias="lowest", deterministic=True)
 

@@ -33,8 +33,9 @@ def _config_of(scale=None, **options):
 def test_gpu_routing_of_bias_arrays():
   """A bias of the inputs' dtype runs on both Hopper kernels (they list "bias"), and the
   backward computes its gradient (it lists "bias_gradient"); a bias of another dtype, with a
-  scale below bias_min_scale (the kernels divide the bias by it), or with another feature (no
-  feature combination lists bias), runs blockwise."""
+  scale below bias_min_scale (the kernels divide the bias by it), or with another feature that
+  no feature combination lists with it, runs blockwise; soft-capping runs on the kernels where
+  a combination lists it with the bias."""
   q = jnp.zeros((1, 4, 2, 8), jnp.bfloat16)
   route = functools.partial(_primitive._on_gpu_kernel, kernel_call="kernel",
                             blockwise_call="blockwise", q=q, mask=None, q_seg=None)
@@ -44,10 +45,11 @@ def test_gpu_routing_of_bias_arrays():
   bias = jnp.zeros((1, 1, 4, 4), jnp.bfloat16)
   for kernel in (_config.SM90_FORWARD, _config.SM90_BACKWARD):
     assert {"bias"} <= kernel.features
-    assert not any("bias" in combination for combination in kernel.combinations)
+    capped_bias_route = ("kernel" if frozenset({"softcap", "bias"}) in kernel.combinations
+                         else "blockwise")
     assert route(kernel, config=plain, bias=bias) == "kernel"
     assert route(kernel, config=plain, bias=bias.astype(jnp.float32)) == "blockwise"
-    assert route(kernel, config=capped, bias=bias) == "blockwise"
+    assert route(kernel, config=capped, bias=bias) == capped_bias_route
     assert route(kernel, config=unscaled, bias=bias) == "blockwise"
     assert route(kernel, config=unscaled, bias=None) == "kernel"
     assert route(kernel, config=plain, bias=bias, mask=bias > 0) == "blockwise"

@@ -49,7 +49,7 @@ def test_config_module_reads_the_json_table():
     assert len(kernel.tiles) == len(entry["tiles"])
     assert kernel.features == frozenset(entry["features"])
     assert kernel.combinations == {frozenset(c) for c in entry.get("feature_combinations", ())}
-    assert all(len(c) == 2 and c <= kernel.features for c in kernel.combinations)
+    assert all(len(c) >= 2 and c <= kernel.features for c in kernel.combinations)
   assert _config.GPU_MAX_HEAD_DIM == max(row["head_dim"] for row in table["sm90"]["forward"]["tiles"])
 
 
@@ -68,7 +68,7 @@ def test_kernel_features_route_calls():
   packing = _config.Kernel(tiles=(), features=frozenset({"segment_ids"}))
   assert packing.takes(**dict(plain, segment_ids=True))
   assert not packing.takes(**dict(plain, softcap=True, segment_ids=True))
-  # Two features together only where a combination lists them; three never.
+  # Several features together only where a combination lists exactly them.
   masking = _config.Kernel(tiles=(), features=frozenset({"mask", "softcap", "segment_ids"}),
                            combinations=frozenset({frozenset({"softcap", "segment_ids"})}))
   assert masking.takes(**dict(plain, mask=True))
@@ -79,6 +79,10 @@ def test_kernel_features_route_calls():
       {frozenset({"softcap", "segment_ids"}), frozenset({"softcap", "mask"})}))
   assert both.takes(**dict(plain, mask=True, softcap=True))
   assert not both.takes(**dict(plain, mask=True, softcap=True, segment_ids=True))
+  three = _config.Kernel(tiles=(), features=masking.features, combinations=frozenset(
+      {frozenset({"softcap", "segment_ids", "mask"})}))
+  assert three.takes(**dict(plain, mask=True, softcap=True, segment_ids=True))
+  assert not three.takes(**dict(plain, mask=True, softcap=True))
   # A bias whose gradient is wanted needs a kernel that computes it.
   assert not kernel.takes(**dict(plain, bias=True, bias_gradient=True))
   differentiating = _config.Kernel(tiles=(), features=frozenset({"bias", "bias_gradient"}))

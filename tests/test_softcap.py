@@ -263,16 +263,24 @@ def test_gpu_routing_follows_the_softcap_feature():
 
 
 @pytest.mark.parametrize("platform", [GPU], indirect=True)
-def test_soft_capped_calls_reach_the_hopper_kernels(platform):
+@pytest.mark.parametrize("with_bias", [False, True], ids=["alone", "with-bias"])
+def test_soft_capped_calls_reach_the_hopper_kernels(platform, with_bias):
+  """Soft-capping alone, and with a differentiated bias where a combination lists the two."""
   q = jnp.zeros((1, 64, 2, 64), _config.GPU_DTYPES[0])
+  bias = jnp.zeros((1, 2, 64, 64), q.dtype)
 
-  def loss(q, k, v):
+  def loss(q, k, v, bias):
     return jnp.sum(jax_flash.dot_product_attention(
-        q, k, v, is_causal=True, logits_soft_cap=CAP).astype(jnp.float32))
+        q, k, v, bias if with_bias else None, is_causal=True,
+        logits_soft_cap=CAP).astype(jnp.float32))
 
-  hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, q, q).compile().as_text()
-  assert ("jax_flash_fwd" in hlo) == ("softcap" in _config.SM90_FORWARD.features)
-  assert ("jax_flash_bwd" in hlo) == ("softcap" in _config.SM90_BACKWARD.features)
+  hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(
+      q, q, q, bias).compile().as_text()
+  for name, kernel in (("jax_flash_fwd", _config.SM90_FORWARD),
+                       ("jax_flash_bwd", _config.SM90_BACKWARD)):
+    takes = kernel.takes(bias=with_bias, mask=False, softcap=True, segment_ids=False,
+                         bias_gradient=with_bias and "bias_gradient" in kernel.features)
+    assert (name in hlo) == takes, name
 
 
 # --- the Hopper kernels ------------------------------------------------------------------------
@@ -303,6 +311,30 @@ def test_gpu_kernels_caps(platform, cap):
               is_causal=True, softcap=cap, std=STD)
   check_forward(case, platform)
   check_gradients(case, platform)
+
+
+BIAS_CASES = {
+    # Logits mostly beyond the cap (the exp form), a bias per item and head.
+    "beyond-cap-BNTS": dict(bias="BNTS", std=STD, softcap=CAP),
+    # Logits within half the cap (the series, in place), a bias over heads and keys.
+    "within-cap-1NTS": dict(bias="1NTS", std=1.0, softcap=30.0),
+    # Broadcast over heads and queries: dbias sums over them.
+    "beyond-cap-B11S": dict(bias="B11S", std=STD, softcap=CAP),
+}
+
+
+@with_platform("platform,H,name",
+               [pytest.param("gpu", H, name, marks=pytest.mark.gpu, id=f"gpu-{H}-{name}")
+                for H in _gpu_head_dims() for name in BIAS_CASES])
+def test_gpu_kernels_with_a_bias(platform, H, name):
+  """The cap, then a bias, on the Hopper kernels (where a feature combination lists the two):
+  forward, and gradients with dbias, over several query and key blocks with GQA, a causal
+  window and ragged lengths, in each dtype."""
+  for i, dtype in enumerate(_config.GPU_DTYPES):
+    case = Case(B=2, T=190, S=230, N=4, K=2, H=H, dtype=dtype.name, is_causal=i == 0,
+                q_lens=(190, 77), kv_lens=(190 + 40 * i, 100), **BIAS_CASES[name])
+    check_forward(case, platform)
+    check_gradients(case, platform, through_lse=True)
 
 
 @with_platform("platform,outliers", platform_params([], [False, True]))

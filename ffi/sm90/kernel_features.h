@@ -7,19 +7,41 @@
 
 namespace jax_flash::sm90 {
 
-struct KernelFeatures {
-  bool softcap = false;
-  bool segment_ids = false;
-  bool mask = false;
-  bool bias = false;
-  bool softcap_with_segment_ids = false;
-  bool softcap_with_mask = false;
+//! One bit per optional feature of a call; a set of them is a FeatureSet.
+enum FeatureBit : unsigned {
+  kSoftcapBit = 1u,
+  kSegmentIdsBit = 2u,
+  kMaskBit = 4u,
+  kBiasBit = 8u,
+};
+inline constexpr unsigned kFeatureSets = 16;  //!< every subset of the four bits
 
-  //! The same without mask and bias arrays.
+struct KernelFeatures {
+  //! The features taken alone.
+  unsigned features = 0;
+  //! The combinations of two or more features taken together (kernel_configs.json
+  //! "feature_combinations"); zero entries are unused.
+  unsigned combinations[kFeatureSets] = {};
+
+  //! Whether kernels are compiled for calls that use exactly the features in `set`: none,
+  //! one of `features`, or a listed combination.
+  constexpr bool compiles(unsigned set) const {
+    if ((set & ~features) != 0) return false;
+    if ((set & (set - 1)) == 0) return true;  // none or one feature
+    for (unsigned combination : combinations) {
+      if (combination == set) return true;
+    }
+    return false;
+  }
+
+  //! The same without mask and bias arrays, alone or in combinations.
   constexpr KernelFeatures without_arrays() const {
-    KernelFeatures features = *this;
-    features.mask = features.bias = features.softcap_with_mask = false;
-    return features;
+    KernelFeatures result = *this;
+    result.features &= ~(kMaskBit | kBiasBit);
+    for (unsigned& combination : result.combinations) {
+      if (combination & (kMaskBit | kBiasBit)) combination = 0;
+    }
+    return result;
   }
 };
 

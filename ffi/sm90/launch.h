@@ -39,27 +39,17 @@ struct BackwardWorkspaceLayout {
   int64_t bytes = 0;
 };
 
+//! The features the call uses, as a set of FeatureBit.
+inline unsigned features_of(const ForwardParams& p) {
+  return (p.options.softcap > 0 ? kSoftcapBit : 0u) |
+         (p.q_segment_ids.present() ? kSegmentIdsBit : 0u) |
+         (p.mask_bits.present() ? kMaskBit : 0u) | (p.bias.present() ? kBiasBit : 0u);
+}
+
 //! Whether kernels taking `features` run the call: each feature it uses is taken, alone or,
-//! for two, in a listed combination (soft-capping with segment ids or with a mask array).
+//! for several, in a listed combination.
 inline bool takes_features(const ForwardParams& p, const KernelFeatures& features) {
-  const bool softcap = p.options.softcap > 0;
-  const bool segments = p.q_segment_ids.present();
-  const bool mask = p.mask_bits.present();
-  const bool bias = p.bias.present();
-  if ((softcap && !features.softcap) || (segments && !features.segment_ids) ||
-      (mask && !features.mask) || (bias && !features.bias)) {
-    return false;
-  }
-  switch (int(softcap) + int(segments) + int(mask) + int(bias)) {
-    case 0:
-    case 1:
-      return true;
-    case 2:
-      return softcap && ((segments && features.softcap_with_segment_ids) ||
-                         (mask && features.softcap_with_mask));
-    default:
-      return false;
-  }
+  return features.compiles(features_of(p));
 }
 
 //! Elements of the dbias result (and of its float32 accumulator); 0 when it is not wanted.

@@ -159,7 +159,7 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
   mainloop.num_m_blocks = int32_t(num_m_blocks);
   mainloop.scale_log2 = kernel_scale(f) * kLog2e;
   mainloop.softcap = kernel_softcap(f);
-  mainloop.inv_scale = 1.f / kernel_scale(f);
+  mainloop.bias_units = bias_units<Traits>(f);
   // A window bounded on one side only makes the key blocks at the other end see more queries:
   // causal (bounded on the right) gives the first key blocks the most work, which the natural
   // order already runs first. Every key block of a head reads all its queries' Q and dO and
@@ -217,8 +217,6 @@ template <ElementType kDtype, int kTileHeadDim>
 Status RunBackwardTile(const BackwardParams& params, const BackwardWorkspaceLayout& layout,
                        void* workspace, const LaunchContext& context) {
   using Element = typename CutlassElement<kDtype>::type;
-  // softcap.h recovers tanh from P and the lse, which a bias would shift: with_features
-  // never instantiates the two together (a bias is taken alone).
   return with_features<kBackwardFeatures>(
       params.fwd, [&](auto softcap, auto segments, auto mask, auto bias) {
         return launch_backward<BackwardKernelTraits<Element, kTileHeadDim, decltype(softcap)::value,

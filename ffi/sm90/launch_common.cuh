@@ -229,6 +229,13 @@ inline LogitSoftcap kernel_softcap(const ForwardParams& p) {
                                : LogitSoftcap{};
 }
 
+//! The factor taking a bias to the units of the logits the mainloops add it to: raw products
+//! q.k (the scale is applied in the exponent) or, soft-capped, capped logits in log2 units.
+template <class Traits>
+float bias_units(const ForwardParams& p) {
+  return Traits::kSoftcap ? kLog2e : 1.f / kernel_scale(p);
+}
+
 //! Fills the scheduler's tile walk over `num_blocks` blocks of `num_heads_total` heads. Heads
 //! per section: as many as keep `bytes_per_head` of operands that all blocks of a head read
 //! within half of L2 (the rest serves the streamed operands). With `heads_within_a_wave`, no
@@ -266,41 +273,31 @@ inline Status make_schedule(int64_t num_blocks, int64_t num_heads, int64_t num_h
 }
 
 //! Calls launch(softcap, segments, mask, bias) with the compile-time features the call uses,
-//! each an std::bool_constant. A kernel is instantiated for each feature in kFeatures alone
-//! (a pass's, from kernel_configs.json through sm90_tiles.h) and for soft-capping together with
-//! segment ids or with a mask array where kFeatures lists that combination. A call the
-//! instantiations do not cover is an error (dispatch routes none here).
+//! each an std::bool_constant. A kernel is instantiated for no feature, for each feature in
+//! kFeatures alone (a pass's, from kernel_configs.json through sm90_tiles.h) and for each
+//! combination it lists. A call the instantiations do not cover is an error (dispatch routes
+//! none here).
 template <const KernelFeatures& kFeatures, class Launch>
 Status with_features(const ForwardParams& p, Launch&& launch) {
-  using Off = std::false_type;
-  using On = std::true_type;
-  if (!takes_features(p, kFeatures)) {
+  const unsigned used = features_of(p);
+  if (!kFeatures.compiles(used)) {
     return Status::InvalidArgument("jax_flash: this Hopper tile is not compiled for the call's "
                                    "combination of soft-capping, segment ids and mask or bias "
                                    "arrays");
   }
-  // takes_features has checked that soft-capping combines with what the call uses.
-  auto with_softcap = [&](auto segments, auto mask, auto bias, auto combines) {
-    if constexpr (kFeatures.softcap && decltype(combines)::value) {
-      if (p.options.softcap > 0) return launch(On{}, segments, mask, bias);
+  Status status = Status::Ok();
+  cute::for_each(cute::make_int_sequence<kFeatureSets>{}, [&](auto set) {
+    constexpr unsigned kSet = decltype(set)::value;
+    if constexpr (kFeatures.compiles(kSet)) {
+      if (used == kSet) {
+        status = launch(std::bool_constant<(kSet & kSoftcapBit) != 0>{},
+                        std::bool_constant<(kSet & kSegmentIdsBit) != 0>{},
+                        std::bool_constant<(kSet & kMaskBit) != 0>{},
+                        std::bool_constant<(kSet & kBiasBit) != 0>{});
+      }
     }
-    return launch(Off{}, segments, mask, bias);
-  };
-  if constexpr (kFeatures.bias) {
-    if (p.bias.present()) return launch(Off{}, Off{}, Off{}, On{});
-  }
-  if constexpr (kFeatures.mask) {
-    if (p.mask_bits.present()) {
-      return with_softcap(Off{}, On{}, Off{}, std::bool_constant<kFeatures.softcap_with_mask>{});
-    }
-  }
-  if constexpr (kFeatures.segment_ids) {
-    if (p.q_segment_ids.present()) {
-      return with_softcap(On{}, Off{}, Off{},
-                          std::bool_constant<kFeatures.softcap_with_segment_ids>{});
-    }
-  }
-  return with_softcap(Off{}, Off{}, Off{}, On{});
+  });
+  return status;
 }
 
 //! Raises the kernel's dynamic shared memory limit and launches it on the context's stream.

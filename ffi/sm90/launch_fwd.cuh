@@ -47,7 +47,7 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   mainloop.v = sequence_tensor<Element>(p.v, s.seqlen_k, s.num_kv_heads, s.head_dim, s.batch);
   mainloop.scale_log2 = kernel_scale(p) * kLog2e;
   mainloop.softcap = kernel_softcap(p);
-  mainloop.inv_scale = 1.f / kernel_scale(p);
+  mainloop.bias_units = bias_units<Traits>(p);
   kp.mainloop = Kernel::Mainloop::to_params(mainloop);
 
   typename Kernel::Epilogue::Arguments epilogue;

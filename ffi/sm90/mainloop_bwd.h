@@ -67,7 +67,7 @@ struct BackwardMainloop {
     int32_t num_m_blocks;
     float scale_log2;  //!< softmax scale times log2(e), > 0
     LogitSoftcap softcap;  //!< used when Traits::kSoftcap
-    float inv_scale;       //!< 1 / softmax scale, for the bias
+    float bias_units;      //!< the bias's factor (bias_units())
     BiasGradient dbias;    //!< with a bias (Traits::kBias), present when its gradient is wanted
   };
 
@@ -85,7 +85,7 @@ struct BackwardMainloop {
     int32_t num_m_blocks;
     float scale_log2;
     LogitSoftcap softcap;
-    float inv_scale;
+    float bias_units;
     BiasGradient dbias;
   };
 
@@ -117,7 +117,7 @@ struct BackwardMainloop {
     params.num_m_blocks = args.num_m_blocks;
     params.scale_log2 = args.scale_log2;
     params.softcap = args.softcap;
-    params.inv_scale = args.inv_scale;
+    params.bias_units = args.bias_units;
     params.dbias = args.dbias;
     return params;
   }
@@ -476,7 +476,7 @@ struct BackwardMainloop {
       }
       if constexpr (Traits::kBias) {
         mask.add_bias(s, bias, problem.bias.col_stride, problem.bias.row_stride,
-                      /*paired=*/false, params.inv_scale, info.n_start(), problem.seqlen_k,
+                      /*paired=*/false, params.bias_units, info.n_start(), problem.seqlen_k,
                       m_block * kBlockM, problem.seqlen_q);
       }
       mask.apply_block(s, visibility,
@@ -525,15 +525,36 @@ struct BackwardMainloop {
         CUTE_UNROLL
         for (int c = 0; c < kColumns; ++c) dp(r, c) = s(r, c) * (dp(r, c) - d_column[c]);
       }
+      // dbias += dS (transposed); summed over the queries, into the key sums.
+      auto add_bias_gradient = [&] {
+        if (dbias != nullptr && params.dbias.row_stride == 0) {
+          mask.add_row_sums(dp, dbias_key_sums, m_block * kBlockM, problem.seqlen_q);
+        } else if (dbias != nullptr) {
+          mask.add_bias_gradient(dp, dbias, params.dbias.col_stride, params.dbias.row_stride,
+                                 info.n_start(), problem.seqlen_k, m_block * kBlockM,
+                                 problem.seqlen_q);
+        }
+      };
       if constexpr (Traits::kSoftcap) {
+        // The bias is added after the cap: its gradient takes no tanh'.
+        if constexpr (Traits::kBias) add_bias_gradient();
         // The log-sum-exps are read again from shared memory (their Q stage is still held)
         // rather than kept in registers across dP^T.
         const auto lse_again = column_values(storage.lse.data() + read_q.index() * kBlockM);
+        if constexpr (Traits::kBias) {
+          // P is spent: its log2, less the bias (read again, from L1), gives the capped logit.
+          CUTE_UNROLL
+          for (int i = 0; i < size(s); ++i) s(i) = fast_log2(s(i));
+          mask.add_bias(s, bias, problem.bias.col_stride, problem.bias.row_stride,
+                        /*paired=*/false, -params.bias_units, info.n_start(), problem.seqlen_k,
+                        m_block * kBlockM, problem.seqlen_q);
+        }
         CUTE_UNROLL
         for (int r = 0; r < size<0>(dp); ++r) {
           CUTE_UNROLL
           for (int c = 0; c < kColumns; ++c) {
-            dp(r, c) *= params.softcap.derivative(s(r, c), lse_again[c]);
+            dp(r, c) *= Traits::kBias ? params.softcap.derivative_at(s(r, c), lse_again[c])
+                                      : params.softcap.derivative(s(r, c), lse_again[c]);
           }
         }
       }
@@ -553,16 +574,8 @@ struct BackwardMainloop {
         warpgroup_gemm</*kZeroInit=*/false, -1>(mma_dkv, tdVrPt(_, _, _, ds_stage),
                                                 tdVrDo(_, _, _, read_do.index()), tdVrdV);
       }
-      // dbias += dS (transposed), while dV runs; summed over the queries, into the key sums.
-      if constexpr (Traits::kBias) {
-        if (dbias != nullptr && params.dbias.row_stride == 0) {
-          mask.add_row_sums(dp, dbias_key_sums, m_block * kBlockM, problem.seqlen_q);
-        } else if (dbias != nullptr) {
-          mask.add_bias_gradient(dp, dbias, params.dbias.col_stride, params.dbias.row_stride,
-                                 info.n_start(), problem.seqlen_k, m_block * kBlockM,
-                                 problem.seqlen_q);
-        }
-      }
+      // Uncapped, dbias is added while dV runs.
+      if constexpr (Traits::kBias && !Traits::kSoftcap) add_bias_gradient();
       // dS^T to shared memory for dQ (and for dK when it does not come from registers).
       Tensor rdS = make_tensor(tdKrdS.data(), tdPrdP.layout());
       copy(smem_copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, ds_stage));

@@ -43,7 +43,7 @@ struct ForwardMainloop {
     DeviceBatchMap q_batch, k_batch, v_batch;  //!< own batch item of each operand
     float scale_log2;                          //!< softmax scale times log2(e), > 0
     LogitSoftcap softcap;                      //!< used when Traits::kSoftcap
-    float inv_scale;                           //!< 1 / softmax scale, for the bias
+    float bias_units;                          //!< the bias's factor (bias_units())
   };
 
   struct Params {
@@ -54,7 +54,7 @@ struct ForwardMainloop {
     DeviceBatchMap q_batch, k_batch, v_batch;
     float scale_log2;
     LogitSoftcap softcap;
-    float inv_scale;
+    float bias_units;
   };
 
   static Params to_params(Arguments const& args) {
@@ -75,7 +75,7 @@ struct ForwardMainloop {
     params.v_batch = args.v_batch;
     params.scale_log2 = args.scale_log2;
     params.softcap = args.softcap;
-    params.inv_scale = args.inv_scale;
+    params.bias_units = args.bias_units;
     return params;
   }
 
@@ -289,13 +289,15 @@ struct ForwardMainloop {
     const SegmentAxes</*kRowsAreKeys=*/false> segments{problem, info.coord.batch};
 
     const typename Traits::Logits scaled{params.scale_log2};
-    // S of key block n_block into probabilities: the cap (or the bias) before masking, since
-    // masked logits must end at -inf, then the softmax step. A warp whose products fit the
-    // cap's series leaves them raw and caps them in the softmax's exponent; otherwise the cap
-    // leaves them in log2 units.
+    // S of key block n_block into probabilities: the cap, then the bias, before masking,
+    // since masked logits must end at -inf, then the softmax step. A warp whose products fit
+    // the cap's series leaves them raw and caps them in the softmax's exponent, unless a bias
+    // is added to the capped logits; otherwise the cap leaves them in log2 units.
     auto softmax_step = [&](auto first, int n_block, MaskBlock cls) {
       [[maybe_unused]] bool series = false;
-      if constexpr (Traits::kSoftcap) {
+      if constexpr (Traits::kSoftcap && Traits::kBias) {
+        params.softcap.template apply<kSoftcapReciprocalOnFma<Traits::kHeadDim>>(s);
+      } else if constexpr (Traits::kSoftcap) {
         series = params.softcap.fits_series(s);
         if (!series) {
           params.softcap.template apply_exp_form<kSoftcapReciprocalOnFma<Traits::kHeadDim>>(s);
@@ -303,7 +305,7 @@ struct ForwardMainloop {
       }
       if constexpr (Traits::kBias) {
         mask.add_bias(s, info.bias, problem.bias.row_stride, problem.bias.col_stride,
-                      problem.bias.paired, params.inv_scale, info.m_start(), problem.seqlen_q,
+                      problem.bias.paired, params.bias_units, info.m_start(), problem.seqlen_q,
                       n_block * Traits::kBlockN, problem.seqlen_k);
       }
       mask.apply_block(s, visibility,

@@ -195,8 +195,10 @@ struct BlockMask {
     }
   }
 
-  //! Adds a bias array to the block, divided by the softmax scale (the mainloops scale the
-  //! logits afterwards; a bias past the float range becomes +-inf, which acts as a mask).
+  //! Adds a bias array to the block, times `units` (the logits' units: 1 / scale for raw
+  //! products, which the mainloops scale afterwards; log2 e for capped logits; negated, it
+  //! takes the bias back out). A bias past the float range becomes +-inf, which acts as a
+  //! mask.
   //! `bias` is element (row 0, column 0) of the (batch item, head), row_step and col_step its
   //! strides along the block's rows and columns (queries and keys forward, swapped backward).
   //! Rows at or past row_limit and columns at or past col_limit are not read: they lie past
@@ -204,7 +206,7 @@ struct BlockMask {
   //! are read as one 32-bit word.
   template <class TensorS, class Element>
   CUTE_DEVICE void add_bias(TensorS& s, const Element* bias, int64_t row_step, int64_t col_step,
-                            bool paired, float inv_scale, int row_start, int row_limit,
+                            bool paired, float units, int row_start, int row_limit,
                             int col_start, int col_limit) const {
     auto coords = coordinates();
     const uint16_t* raw = reinterpret_cast<const uint16_t*>(bias);
@@ -222,15 +224,15 @@ struct BlockMask {
         for (int c = 0; c < size<1>(s); c += 2) {
           const int step = get<1>(coords(0, c)) - thread_col;
           const uint32_t word = __ldg(reinterpret_cast<const uint32_t*>(row_bias + step));
-          s(r, c) = fmaf(element(uint16_t(word & 0xffffu)), inv_scale, s(r, c));
-          s(r, c + 1) = fmaf(element(uint16_t(word >> 16)), inv_scale, s(r, c + 1));
+          s(r, c) = fmaf(element(uint16_t(word & 0xffffu)), units, s(r, c));
+          s(r, c + 1) = fmaf(element(uint16_t(word >> 16)), units, s(r, c + 1));
         }
       }
       return;
     }
     for_each_element(coords, raw, row_step, col_step, row_start, row_limit, col_start, col_limit,
                      [&](int r, int c, const uint16_t* address) {
-                       s(r, c) = fmaf(element(__ldg(address)), inv_scale, s(r, c));
+                       s(r, c) = fmaf(element(__ldg(address)), units, s(r, c));
                      });
   }
 

@@ -11,9 +11,9 @@
     Capped in place, logits are in log2 units (z * log2 e).
     The backward needs tanh'(x / cap) = 1 - t^2 with t = z / cap where it forms dS; rather than
     keeping a second register tile of t, it recovers t from P and the log-sum-exp:
-    log2 P = z * log2 e - lse * log2 e. That holds because these kernels add no bias (a bias
-    would be in log2 P too; with_features never instantiates the two together). A mask array
-    keeps it: masked logits have P = 0, where the factor is clamped to 0.
+    log2 P = z * log2 e - lse * log2 e, and where a bias b was added to the capped logits,
+    log2 P = (z + b) * log2 e - lse * log2 e, so the bias is read again and taken out. A mask
+    array keeps it: masked logits have P = 0, where the factor is clamped to 0.
 */
 #pragma once
 
@@ -182,7 +182,11 @@ struct LogitSoftcap {
   //! Where p is 0 (masked, underflowed, or a row with no visible key, lse_log2 = +inf) t is
   //! clamped to -1, so the factor is 0 and never NaN; dS is 0 there anyway.
   CUTE_DEVICE float derivative(float p, float lse_log2) const {
-    float t = (fast_log2(p) + lse_log2) * tanh_per_log2;
+    return derivative_at(fast_log2(p), lse_log2);
+  }
+  //! The same from log2 P less the bias, where one was added to the capped logits.
+  CUTE_DEVICE float derivative_at(float log2_p, float lse_log2) const {
+    float t = (log2_p + lse_log2) * tanh_per_log2;
     t = fminf(fmaxf(t, -1.f), 1.f);  // fmaxf(NaN, -1) = -1
     return fmaf(-t, t, 1.f);
   }
