@@ -449,6 +449,10 @@ struct BackwardMainloop {
                            problem.seqlen_k, m_block * kBlockM, problem.seqlen_q);
       }
     };
+    auto add_bias = [&](auto& s, const Element* bias, int32_t m_block, float units) {
+      mask.add_bias(s, bias, problem.bias.col_stride, problem.bias.row_stride, /*paired=*/false,
+                    units, info.n_start(), problem.seqlen_k, m_block * kBlockM, problem.seqlen_q);
+    };
 
     // A bias gradient summed over the queries (a bias broadcast along them): each thread's keys'
     // sums over the steps of a query head, added to memory once after them.
@@ -474,11 +478,7 @@ struct BackwardMainloop {
       if constexpr (Traits::kSoftcap) {
         params.softcap.template apply<kSoftcapReciprocalOnFma<kHeadDim>>(s);  // to log2 units
       }
-      if constexpr (Traits::kBias) {
-        mask.add_bias(s, bias, problem.bias.col_stride, problem.bias.row_stride,
-                      /*paired=*/false, params.bias_units, info.n_start(), problem.seqlen_k,
-                      m_block * kBlockM, problem.seqlen_q);
-      }
+      if constexpr (Traits::kBias) add_bias(s, bias, m_block, params.bias_units);
       mask.apply_block(s, visibility,
                        Range::needs_mask</*kMaskQueryTail=*/true>(problem, info.lens, m_block,
                                                                   info.coord.block),
@@ -545,9 +545,7 @@ struct BackwardMainloop {
           // P is spent: its log2, less the bias (read again, from L1), gives the capped logit.
           CUTE_UNROLL
           for (int i = 0; i < size(s); ++i) s(i) = fast_log2(s(i));
-          mask.add_bias(s, bias, problem.bias.col_stride, problem.bias.row_stride,
-                        /*paired=*/false, -params.bias_units, info.n_start(), problem.seqlen_k,
-                        m_block * kBlockM, problem.seqlen_q);
+          add_bias(s, bias, m_block, -params.bias_units);
         }
         CUTE_UNROLL
         for (int r = 0; r < size<0>(dp); ++r) {

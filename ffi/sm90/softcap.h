@@ -4,10 +4,11 @@
 
     The mainloops hold logits as raw products s = q.k and fold the scale into the exponent
     (exp2(s * scale * log2 e - ...)). Where a warp's products of a block all lie within half the
-    cap (less under caps far above the logits), tanh comes from an odd polynomial on the FMA units, with that scaling folded into its
-    coefficients (SeriesCappedLogits): the special-function unit is left to the softmax's exp2,
-    as without the cap. The forward applies it inside the softmax's exponent (a logit map of
-    softmax.h); the backward caps in place. The warp's other blocks take exp and a reciprocal.
+    cap (less under caps far above the logits), tanh comes from an odd polynomial on the FMA
+    units, with that scaling folded into its coefficients (SeriesCappedLogits): the
+    special-function unit is left to the softmax's exp2, as without the cap. The forward
+    applies it inside the softmax's exponent (a logit map of softmax.h); the backward caps in
+    place. The warp's other blocks take exp and a reciprocal.
     Capped in place, logits are in log2 units (z * log2 e).
     The backward needs tanh'(x / cap) = 1 - t^2 with t = z / cap where it forms dS; rather than
     keeping a second register tile of t, it recovers t from P and the log-sum-exp:
@@ -105,9 +106,9 @@ struct LogitSoftcap {
     // logits' scale the high ones fall below the float range (flushed to 0, a masked logit's
     // exponent would be 0 * inf); there they are stood in by the least normal float and the
     // reach shrinks until the dropped term and its stand-in each change the capped logit by at
-    // most 2^-26 relative, so that such caps too are computed by the series (the exp form's absolute
-    // error, about cap * 6e-8 in tanh's units, grows with the cap). Negative scales and caps
-    // whose coefficients overflow take the exp form throughout.
+    // most 2^-26 relative, so that such caps too are computed by the series (the exp form's
+    // absolute error, about cap * 6e-8 in tanh's units, grows with the cap). Negative scales
+    // and caps whose coefficients overflow take the exp form throughout.
     constexpr double kLeast = 0x1p-126;
     constexpr double kTermError = 0x1p-26;
     const double leading = double(scale) * kLog2e;
