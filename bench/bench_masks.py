@@ -19,6 +19,13 @@ Two families of one shape (B, T = S, N, H), timed in one process:
   learned bias family  a learned per-head bias (T5's relative positions, ALiBi):
                     head_bias      a random (1, N, T, S) bias, not causal, differentiated in
                                    fwd_bwd (dbias summed over the batch)
+  masked learned bias families  the learned bias with a mask array, or with segment ids:
+                    padded_head_bias    head_bias with the padding family's (B, 1, 1, S) mask
+                                        (T5's encoder)
+                    causal_head_bias    head_bias with the (1, 1, T, S) causal mask
+                    segment_head_bias   head_bias with the documents family's segment ids
+                                        (jax_flash only; T5 on packed rows)
+                    document_head_bias  head_bias with the documents family's mask
   capped family   Gemma 2's causal attention under its logit cap (logits_soft_cap=50; jax_flash
                   only, cuDNN has no soft-capping):
                     capped_causal       is_causal=True
@@ -30,7 +37,8 @@ Two families of one shape (B, T = S, N, H), timed in one process:
 Implementations are named <impl>:<way>, impl jax_flash or cudnn (GPU only). Throughput counts
 the visible work only, the same for every way of a family: 4 * B * N * T * S * H halved for
 causal (and capped), 4 * N * T * H * sum(lengths) for padding, 4 * B * N * T * doc_len * H halved for
-documents, 4 * B * N * T * S * H for the learned biases, 3.5x for fwd_bwd. Columns: `vs struct`,
+documents, 4 * B * N * T * S * H for the learned biases (with a mask or segment ids, as the
+family whose mask it takes), 3.5x for fwd_bwd. Columns: `vs struct`,
 jax_flash's throughput over its structured way in the family (is_causal, lengths); `vs cudnn`,
 over cuDNN's same way. Every output (and gradient) is checked against the family's first row:
 `max diff`.
@@ -63,11 +71,15 @@ FAMILIES = {"causal": ("causal", "causal_mask", "causal_bias"),
             "padding": ("lengths", "padding_mask"),
             "documents": ("segment_ids", "document_mask"),
             "learned_bias": ("head_bias",),
+            "padded_learned_bias": ("padded_head_bias",),
+            "causal_learned_bias": ("causal_head_bias",),
+            "packed_learned_bias": ("segment_head_bias", "document_head_bias"),
             "capped": ("capped_causal", "capped_causal_mask", "capped_causal_bias"),
             "capped_learned_bias": ("capped_head_bias",)}
 SOFTCAP = 50.0  # the capped family's logits_soft_cap (Gemma 2's)
 # Ways an implementation does not have.
-UNSUPPORTED = {("cudnn", "segment_ids"), ("cudnn", "capped_causal"),
+UNSUPPORTED = {("cudnn", "segment_ids"), ("cudnn", "segment_head_bias"),
+               ("cudnn", "capped_causal"),
                ("cudnn", "capped_causal_mask"), ("cudnn", "capped_causal_bias"),
                ("cudnn", "capped_head_bias")}
 IMPLS = ("jax_flash", "cudnn")
@@ -80,9 +92,9 @@ def lengths_of(B: int, T: int):
 
 def visible_flops(family: str, args, mode: str) -> float:
   B, T, N, H = args.batch, args.seq, args.heads, args.head_dim
-  if family in ("causal", "capped"):
+  if family in ("causal", "capped", "causal_learned_bias"):
     flops = 4.0 * B * N * T * T * H * 0.5
-  elif family == "documents":
+  elif family in ("documents", "packed_learned_bias"):
     flops = 4.0 * B * N * T * args.doc_len * H * 0.5
   elif family in ("learned_bias", "capped_learned_bias"):
     flops = 4.0 * B * N * T * T * H
@@ -110,16 +122,26 @@ def build(impl: str, way: str, args, mode: str):
   ids = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) // args.doc_len, (B, T))
   # Masks are built inside the timed program from positions, lengths or ids, as a Flax model
   # builds them (make_causal_mask, make_attention_mask).
+  def padding_mask():
+    return (jnp.arange(T) < lengths[:, None])[:, None, None]
+
+  def document_mask():
+    return (ids[:, :, None] == ids[:, None, :])[:, None]
+
+  packed = dict(query_segment_ids=ids, key_value_segment_ids=ids)
   options = {
       "causal": dict(is_causal=True),
       "causal_mask": dict(mask=causal_mask),
       "causal_bias": dict(bias=causal_bias),
       "lengths": dict(key_value_seq_lengths=lengths),
-      "padding_mask": dict(mask=lambda: (jnp.arange(T) < lengths[:, None])[:, None, None]),
-      "segment_ids": dict(is_causal=True, query_segment_ids=ids, key_value_segment_ids=ids),
-      "document_mask": dict(is_causal=True,
-                            mask=lambda: (ids[:, :, None] == ids[:, None, :])[:, None]),
+      "padding_mask": dict(mask=padding_mask),
+      "segment_ids": dict(is_causal=True, **packed),
+      "document_mask": dict(is_causal=True, mask=document_mask),
       "head_bias": {},
+      "padded_head_bias": dict(mask=padding_mask),
+      "causal_head_bias": dict(mask=causal_mask),
+      "segment_head_bias": dict(is_causal=True, **packed),
+      "document_head_bias": dict(is_causal=True, mask=document_mask),
       "capped_causal": dict(is_causal=True, logits_soft_cap=SOFTCAP),
       "capped_causal_mask": dict(mask=causal_mask, logits_soft_cap=SOFTCAP),
       "capped_causal_bias": dict(bias=causal_bias, logits_soft_cap=SOFTCAP),
@@ -127,7 +149,7 @@ def build(impl: str, way: str, args, mode: str):
   }[way]
   # Differentiated operands: q, k, v and, for the learned bias, the bias.
   primals = (q, k, v)
-  if way in ("head_bias", "capped_head_bias"):
+  if way.endswith("head_bias"):
     primals += (jax.random.normal(keys[4], (1, N, T, T), args.dtype),)
   if impl == "jax_flash":
     call = jax_flash.dot_product_attention
@@ -244,7 +266,8 @@ def main(argv=None) -> dict:
           "dtype": args.dtype, "iterations": args.iterations,
           "flops": "visible work: causal and capped 4*B*N*T*S*H/2, padding "
                    "4*N*T*H*sum(lengths), documents 4*B*N*T*doc_len*H/2, learned bias "
-                   "4*B*N*T*S*H; fwd_bwd 3.5x forward",
+                   "4*B*N*T*S*H (with a mask or segment ids, as the family whose mask it "
+                   "takes); fwd_bwd 3.5x forward",
           "softcap": SOFTCAP,
       },
       "results": rows,

@@ -17,7 +17,8 @@ logit, 2 when it keeps all, 1 otherwise) and the mask packed as bits along the p
 (queries forward, keys backward). A mask the program computes (from segment ids, from
 positions) then fuses into those reductions and is never stored. The kernels skip the
 empty blocks and read the bits only in the partial ones, so a causal, padding or document
-mask costs little more than the structured arguments would.
+mask costs little more than the structured arguments would. With both a mask and a bias the
+kernels read the mask's classes alone (`_logit_array_tiles`); [bias_blocks] is then absent.
 
 where [segments], present with segment ids (attribute has_segment_ids), is four operands:
 q_seg (B, T) and kv_seg (B, S), the ids, and kv_span (B, T, 2) and q_span (B, S, 2), computed
@@ -272,6 +273,18 @@ def _bias_tiles(bias, tile):
   return [kept.reshape(*lead, MB, bm, SB).any(-2).astype(jnp.int8)]
 
 
+def _logit_array_tiles(bias, mask, tile, T, S, rows_are_keys):
+  """The Hopper pass's operands for its mask and bias arrays on its tile: (_mask_tiles,
+  _bias_tiles). With both, the kernels read the mask's block classes alone and the bias travels
+  without its own: blocks the bias would drop are computed, to probabilities of 0. (Whether
+  the bias drops a block depends on the entries the mask keeps, a pass over both arrays'
+  shapes together: B times the bias for a bias shared by a batch's items, slower than the
+  blocks it saves.)"""
+  if mask is not None:
+    return _mask_tiles(mask, tile, T, S, rows_are_keys), []
+  return [], _bias_tiles(bias, tile)
+
+
 def _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, *, gpu_tile=None,
                   heads_major=False):
   """The forward FFI call. With gpu_tile (the CUDA handler's tile for the problem) a mask or
@@ -287,8 +300,8 @@ def _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, *, 
   call = jax.ffi.ffi_call(_extension.FORWARD_TARGET, result_types, vmap_method="expand_dims")
   tiles, bias_tiles = [], []
   if gpu_tile is not None:
-    tiles = _mask_tiles(mask, gpu_tile, T, k.shape[-3], rows_are_keys=False)
-    bias_tiles = _bias_tiles(bias, gpu_tile)
+    tiles, bias_tiles = _logit_array_tiles(bias, mask, gpu_tile, T, k.shape[-3],
+                                           rows_are_keys=False)
     mask = None  # taken as its tiles
   operands = (q, k, v, *_present(bias), *bias_tiles, *_present(mask), *tiles,
               *_present(q_len, kv_len), *_segments(q_seg, kv_seg))
@@ -339,8 +352,8 @@ def _backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_
   tiles, bias_tiles = [], []
   if gpu_workspace:
     tile = _config.SM90_BACKWARD.tile_for(q.shape[-1])
-    tiles = _mask_tiles(mask, tile, q.shape[-3], k.shape[-3], rows_are_keys=True)
-    bias_tiles = _bias_tiles(bias, tile)
+    tiles, bias_tiles = _logit_array_tiles(bias, mask, tile, q.shape[-3], k.shape[-3],
+                                           rows_are_keys=True)
     mask = None  # taken as its tiles
   operands = (q, k, v, out, lse, dout, dlse, *_present(bias), *bias_tiles, *_present(mask),
               *tiles, *_present(q_len, kv_len), *_segments(q_seg, kv_seg))

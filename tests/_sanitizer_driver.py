@@ -15,7 +15,8 @@ reduction, which visits the empty ones) and bias arrays (their own instantiation
 tiles: per head and batch item with grouped heads and odd key counts, read element by element;
 broadcast over queries, read in pairs; patches of the lowest value and -inf, whose blocks are
 skipped, under the ordered dQ reduction, which visits them; their gradient, element by element and
-summed over the queries).
+summed over the queries), and the pairs of these the kernels combine (a bias with a mask, whose
+classes are the pair's; a bias or a mask with segment ids).
 A head dim with several forward tiles runs its causal, segment-id and few-row cases (decoding
 among them) on the tile that prefers them (kernel_configs.json) and the others on its default.
 Each case also runs the gradients (the backward's kernels). Every output and gradient is
@@ -77,21 +78,34 @@ def cases():
       yield dict(H=H, dtype=dtypes[i % len(dtypes)], is_causal=True, window=None,
                  lengths="ragged", mask="patches")
       # With soft-capping where the kernels combine the two.
-      capped = all(frozenset({"softcap", "mask"}) in kernel.combinations
-                   for kernel in (_config.SM90_FORWARD, _config.SM90_BACKWARD))
       yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=False, window=None,
                  lengths=None, mask="patches", deterministic=True,
-                 softcap=4.0 if capped else None)
+                 softcap=4.0 if _combined("softcap", "mask") else None)
     if "bias" in _config.SM90_FORWARD.features | _config.SM90_BACKWARD.features:
       yield dict(H=H, dtype=dtypes[i % len(dtypes)], is_causal=True, window=None,
                  lengths="ragged", bias="BNTS")
       # With soft-capping where the kernels combine the two.
-      capped = all(frozenset({"softcap", "bias"}) in kernel.combinations
-                   for kernel in (_config.SM90_FORWARD, _config.SM90_BACKWARD))
       yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=False, window=(40, 9),
-                 lengths=None, bias="B11S", S=256, softcap=3.0 if capped else None)
+                 lengths=None, bias="B11S", S=256,
+                 softcap=3.0 if _combined("softcap", "bias") else None)
       yield dict(H=H, dtype=dtypes[0], is_causal=False, window=None, lengths="ragged",
                  bias="lowest", deterministic=True)
+    # Pairs of logit arrays and segment ids, where the kernels combine them.
+    if _combined("mask", "bias"):
+      yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=True, window=None,
+                 lengths="ragged", bias="1NTS", mask="patches")
+    if _combined("segment_ids", "bias"):
+      yield dict(H=H, dtype=dtypes[i % len(dtypes)], is_causal=True, window=None,
+                 lengths="ragged", bias="B1TS", segments="sorted")
+    if _combined("segment_ids", "mask"):
+      yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=False, window=None,
+                 lengths=None, mask="patches", segments="unsorted")
+
+
+def _combined(*features):
+  """Whether both Hopper passes take these features together."""
+  return all(frozenset(features) in kernel.combinations
+             for kernel in (_config.SM90_FORWARD, _config.SM90_BACKWARD))
 
 
 def run(H, dtype, is_causal, window, lengths, B=3, T=167, S=201, N=4, K=2, deterministic=False,

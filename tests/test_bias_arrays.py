@@ -34,8 +34,8 @@ def test_gpu_routing_of_bias_arrays():
   """A bias of the inputs' dtype runs on both Hopper kernels (they list "bias"), and the
   backward computes its gradient (it lists "bias_gradient"); a bias of another dtype, with a
   scale below bias_min_scale (the kernels divide the bias by it), or with another feature that
-  no feature combination lists with it, runs blockwise; soft-capping runs on the kernels where
-  a combination lists it with the bias."""
+  no feature combination lists with it, runs blockwise; soft-capping and a mask array run on
+  the kernels where a combination lists them with the bias."""
   q = jnp.zeros((1, 4, 2, 8), jnp.bfloat16)
   route = functools.partial(_primitive._on_gpu_kernel, kernel_call="kernel",
                             blockwise_call="blockwise", q=q, mask=None, q_seg=None)
@@ -45,14 +45,15 @@ def test_gpu_routing_of_bias_arrays():
   bias = jnp.zeros((1, 1, 4, 4), jnp.bfloat16)
   for kernel in (_config.SM90_FORWARD, _config.SM90_BACKWARD):
     assert {"bias"} <= kernel.features
-    capped_bias_route = ("kernel" if frozenset({"softcap", "bias"}) in kernel.combinations
-                         else "blockwise")
+    def paired_route(other):
+      return "kernel" if frozenset({other, "bias"}) in kernel.combinations else "blockwise"
     assert route(kernel, config=plain, bias=bias) == "kernel"
     assert route(kernel, config=plain, bias=bias.astype(jnp.float32)) == "blockwise"
-    assert route(kernel, config=capped, bias=bias) == capped_bias_route
+    assert route(kernel, config=capped, bias=bias) == paired_route("softcap")
     assert route(kernel, config=unscaled, bias=bias) == "blockwise"
     assert route(kernel, config=unscaled, bias=None) == "kernel"
-    assert route(kernel, config=plain, bias=bias, mask=bias > 0) == "blockwise"
+    assert route(kernel, config=plain, bias=bias, mask=bias > 0) == paired_route("mask")
+    assert route(kernel, config=capped, bias=bias, mask=bias > 0) == "blockwise"
   assert "bias_gradient" not in _config.SM90_FORWARD.features
   assert "bias_gradient" in _config.SM90_BACKWARD.features
   assert route(_config.SM90_BACKWARD, config=plain, bias=bias, bias_gradient=True) == "kernel"
@@ -145,6 +146,23 @@ def test_bias_tiles_drop_only_blocks_without_probability(shape):
     assert (np.asarray(ours) == 0).any() and (np.asarray(ours) == 1).any()
 
 
+def test_a_bias_with_a_mask_travels_with_the_mask_classes_alone():
+  """With both arrays the Hopper kernels read the mask's block classes and bits alone; the bias
+  takes no classes of its own (its low blocks are computed, to probabilities of 0)."""
+  rng = np.random.default_rng(5)
+  bias = jnp.asarray(_lowest_patches(rng, (1, 3, 200, 300), jnp.bfloat16, patch=16))
+  mask = jnp.asarray(rng.random((2, 1, 200, 300)) < 0.9)
+  tile = _config.Sm90ForwardTile(head_dim=64, block_m=64, block_n=32, stages=2)
+  for rows_are_keys in (False, True):
+    tiles, bias_tiles = _primitive._logit_array_tiles(bias, mask, tile, 200, 300, rows_are_keys)
+    want = _primitive._mask_tiles(mask, tile, 200, 300, rows_are_keys)
+    assert bias_tiles == [] and len(tiles) == len(want) == 2
+    for got, expected in zip(tiles, want):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    tiles, bias_tiles = _primitive._logit_array_tiles(bias, None, tile, 200, 300, rows_are_keys)
+    assert tiles == [] and len(bias_tiles) == 1
+
+
 # --- the GPU -----------------------------------------------------------------------------------
 
 # Every broadcast of a bias: over batch, heads, queries (rows) or keys (a per-query constant,
@@ -181,6 +199,50 @@ def test_gpu_bias_dropping_blocks(platform, H):
                                patch=64)
     check_forward(case, platform, inp=inp)
     check_gradients(case, platform, inp=inp, through_lse=True)
+
+
+# A bias with a mask array, on the kernels where a feature combination lists the pair: a
+# relative-position bias per head with a padding mask (T5), a bias per batch item with a mask
+# shared by every head, and both full.
+GPU_BIAS_MASK_SPECS = (("1NTS", "B11S"), ("B1TS", "11TS"), ("BNTS", "BNTS"))
+
+
+@with_platform("platform,H,specs",
+               [pytest.param("gpu", H, specs, marks=pytest.mark.gpu,
+                             id=f"gpu-{H}-{specs[0]}-{specs[1]}")
+                for H in _config.GPU_HEAD_DIMS for specs in GPU_BIAS_MASK_SPECS])
+def test_gpu_bias_with_a_mask(platform, H, specs):
+  """A bias and a mask array together: forward and gradients (dbias summed over the bias's
+  broadcast axes; zero where the mask hides a logit) against the definition, every GPU dtype,
+  grouped heads, causal and not, dead rows where the mask holds queries."""
+  bias, mask = specs
+  for i, dtype in enumerate(_config.GPU_DTYPES):
+    case = Case(B=2, T=333, S=461 + i, N=4, K=2, H=H, dtype=dtype.name, bias=bias, mask=mask,
+                is_causal=i == 0, dead_rows="T" in mask)
+    check_forward(case, platform)
+    check_gradients(case, platform)
+
+
+@with_platform("platform,H", [pytest.param("gpu", H, marks=pytest.mark.gpu, id=f"gpu-{H}")
+                              for H in _config.GPU_HEAD_DIMS])
+def test_gpu_bias_low_patches_under_a_mask(platform, H):
+  """Patches of the lowest value and -inf beside a mask, whose classes alone the kernels read:
+  the blocks such a bias would drop are computed, to probabilities of 0. Rows 128-191 keep
+  only entries of -2^110, their finite entries hidden by the mask: jax's definition averages
+  their visible keys. (-2^110 rather than the lowest value, which the kernels' units, the bias
+  over the scale, take to -inf: a row that sees nothing else sees no key there; see README.)
+  bfloat16: its lowest value lies below the float range in those units, float16's does not."""
+  dtype = jnp.bfloat16
+  case = Case(B=2, T=512, S=640, N=4, K=2, H=H, dtype="bfloat16", bias="BNTS", mask="B1TS")
+  inp = make_inputs(case)
+  rng = np.random.default_rng(H)
+  bias = _lowest_patches(rng, inp.bias.shape, dtype, patch=64)
+  bias[..., 128:192, 64:] = -2.0 ** 110
+  mask = rng.random(inp.mask.shape) < 0.9
+  mask[..., 128:192, :64] = False
+  inp.bias, inp.mask = bias, mask
+  check_forward(case, platform, inp=inp)
+  check_gradients(case, platform, inp=inp, through_lse=True)
 
 
 @pytest.mark.parametrize("platform", [GPU], indirect=True)
@@ -252,8 +314,9 @@ def test_gpu_vmap_over_biases_only(platform):
 @pytest.mark.parametrize("platform", [GPU], indirect=True)
 def test_gpu_bias_handler_checks(platform):
   """The CUDA handlers refuse a bias of another dtype, a bias without its block classes or with
-  classes of another tile, a bias with a zero scale (the kernels divide it by the scale), a
-  workspace without room for dbias, and a deterministic dbias that sums over an axis."""
+  classes of another tile, bias classes beside a mask's (whose classes the kernels read alone),
+  a bias with a zero scale (the kernels divide it by the scale), a workspace without room for
+  dbias, and a deterministic dbias that sums over an axis."""
   from jax_flash import _extension
   _extension.ensure_registered()
   dtype = _config.GPU_DTYPES[0]
@@ -268,10 +331,20 @@ def test_gpu_bias_handler_checks(platform):
                              (jax.ShapeDtypeStruct(q.shape, dtype),
                               jax.ShapeDtypeStruct((1, 2, 128), jnp.float32)))
   jax.block_until_ready(forward(q, q, q, bias, blocks, **attrs))
+  mask_tiles = _primitive._mask_tiles(jnp.ones((1, 1, 128, 128), bool),
+                                      _config.SM90_FORWARD.tile_for(64), 128, 128,
+                                      rows_are_keys=False)
+  with_mask = dict(has_mask_blocks=True)
+  paired = frozenset({"mask", "bias"}) in _config.SM90_FORWARD.combinations
+  if paired:
+    jax.block_until_ready(forward(q, q, q, bias, *mask_tiles,
+                                  **dict(attrs, has_bias_blocks=False, **with_mask)))
   for operands, overrides, message in (
       ((bias.astype(jnp.float32), blocks), {}, "bias of the inputs' dtype"),
       ((bias,), dict(has_bias_blocks=False), "bias_blocks"),
       ((bias, jnp.ones((1, 1, 2, 1), jnp.int8)), {}, "bias_blocks"),
+      ((bias, blocks, *mask_tiles), with_mask,
+       "takes no bias_blocks" if paired else "not in this combination"),
       ((bias, blocks), dict(scale=np.float64(0.0)), "divided by the scale")):
     with pytest.raises(jax.errors.JaxRuntimeError, match=message):
       jax.block_until_ready(forward(q, q, q, *operands, **dict(attrs, **overrides)))

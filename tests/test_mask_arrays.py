@@ -116,16 +116,18 @@ def test_mask_tiles_capture_no_constants():
 
 
 def test_gpu_routing_of_mask_arrays():
-  """A mask array runs on the Hopper kernels alone and with soft-capping ("feature_combinations",
-  Gemma 2's masks), with segment ids or a bias on the blockwise path; mask problems run on
-  each head dim's default forward tile."""
+  """A mask array runs on the Hopper kernels alone, and with soft-capping (Gemma 2's masks),
+  segment ids or a bias where a feature combination lists the pair ("feature_combinations"),
+  with two of them on the blockwise path; mask problems run on each head dim's default
+  forward tile."""
   for kernel in (_config.SM90_FORWARD, _config.SM90_BACKWARD):
-    assert kernel.takes(bias=False, mask=True, softcap=False, segment_ids=False)
-    assert kernel.takes(bias=False, mask=True, softcap=True, segment_ids=False)
-    assert not kernel.takes(bias=False, mask=True, softcap=False, segment_ids=True)
-    assert not kernel.takes(bias=False, mask=True, softcap=True, segment_ids=True)
-    assert not kernel.takes(bias=True, mask=True, softcap=False, segment_ids=False)
-    assert kernel.takes(bias=False, mask=False, softcap=True, segment_ids=True)
+    none = dict(bias=False, mask=False, softcap=False, segment_ids=False)
+    assert kernel.takes(**dict(none, mask=True))
+    for other in ("softcap", "segment_ids", "bias"):
+      assert kernel.takes(**dict(none, mask=True, **{other: True})) == (
+          frozenset({"mask", other}) in kernel.combinations)
+    assert not kernel.takes(**dict(none, mask=True, softcap=True, segment_ids=True))
+    assert not kernel.takes(**dict(none, mask=True, bias=True, softcap=True))
   for head_dim in range(8, _config.GPU_MAX_HEAD_DIM + 1, 8):
     tile = _config.SM90_FORWARD.tile_for(head_dim)
     assert tile.is_default and tile.head_dim >= head_dim
@@ -140,13 +142,16 @@ def test_gpu_routing_of_mask_arrays():
   mask = jnp.ones((1, 1, 4, 4), bool)
   assert route(_config.SM90_FORWARD, bias=None, mask=mask) == "kernel"
   assert route(_config.SM90_FORWARD, bias=mask.astype(jnp.float32), mask=mask) == "blockwise"
+  paired = "kernel" if frozenset({"mask", "bias"}) in _config.SM90_FORWARD.combinations else (
+      "blockwise")
+  assert route(_config.SM90_FORWARD, bias=mask.astype(jnp.bfloat16), mask=mask) == paired
 
 
 @pytest.mark.parametrize("platform", [GPU], indirect=True)
 def test_calls_with_mask_arrays_reach_the_kernels(platform):
   """On the GPU, forward and backward with a mask array compile to the Hopper kernels' calls
-  with the mask's block classes, with soft-capping too; with segment ids too, to the blockwise
-  path."""
+  with the mask's block classes, with soft-capping too; with segment ids and soft-capping too,
+  to the blockwise path."""
   q = jnp.zeros((1, 256, 2, 64), _config.GPU_DTYPES[0])
   mask = jnp.tril(jnp.ones((256, 256), bool))[None, None]
 
@@ -161,7 +166,7 @@ def test_calls_with_mask_arrays_reach_the_kernels(platform):
   capped = hlo(logits_soft_cap=5.0)
   assert "jax_flash_fwd" in capped and "jax_flash_bwd" in capped
   ids = jnp.zeros((1, 256), jnp.int32)
-  packed = hlo(query_segment_ids=ids, key_value_segment_ids=ids)
+  packed = hlo(query_segment_ids=ids, key_value_segment_ids=ids, logits_soft_cap=5.0)
   assert "jax_flash_fwd" not in packed and "jax_flash_bwd" not in packed
 
 

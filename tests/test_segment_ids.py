@@ -360,19 +360,28 @@ def test_gpu_routing_follows_the_segment_ids_feature():
 @pytest.mark.parametrize("platform", [GPU], indirect=True)
 def test_calls_with_segment_ids_reach_the_kernels(platform):
   """On the GPU, forward and backward with segment ids compile to the Hopper kernels' calls
-  where the kernels list the feature, as the same call without ids does."""
-  q = jnp.zeros((1, 64, 2, 64), _config.GPU_DTYPES[0])
+  where the kernels list the feature, as the same call without ids does; with a bias or a
+  mask array too where a feature combination lists the pair."""
+  dtype = _config.GPU_DTYPES[0]
+  q = jnp.zeros((1, 64, 2, 64), dtype)
   ids = jnp.repeat(jnp.arange(2, dtype=jnp.int32), 32)[None]
 
-  def hlo(**segments):
+  def hlo(**options):
     def loss(q, k, v):
       return jnp.sum(jax_flash.dot_product_attention(
-          q, k, v, is_causal=True, **segments).astype(jnp.float32))
+          q, k, v, is_causal=True, **options).astype(jnp.float32))
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, q, q).compile().as_text()
 
-  with_ids = hlo(query_segment_ids=ids, key_value_segment_ids=ids)
-  assert ("jax_flash_fwd" in with_ids) == ("segment_ids" in _config.SM90_FORWARD.features)
-  assert ("jax_flash_bwd" in with_ids) == ("segment_ids" in _config.SM90_BACKWARD.features)
+  def on_kernels(text, *features):
+    return [name in text for name in ("jax_flash_fwd", "jax_flash_bwd")] == [
+        set(features) <= kernel.features and
+        (len(features) == 1 or frozenset(features) in kernel.combinations)
+        for kernel in (_config.SM90_FORWARD, _config.SM90_BACKWARD)]
+
+  packed = dict(query_segment_ids=ids, key_value_segment_ids=ids)
+  assert on_kernels(hlo(**packed), "segment_ids")
+  assert on_kernels(hlo(bias=jnp.ones((1, 2, 64, 64), dtype), **packed), "segment_ids", "bias")
+  assert on_kernels(hlo(mask=jnp.ones((1, 1, 64, 64), bool), **packed), "segment_ids", "mask")
   without = hlo()
   assert "jax_flash_fwd" in without and "jax_flash_bwd" in without
 
@@ -392,6 +401,10 @@ GPU_PACKED_ROWS = {
     "one-sided": dict(q_segs=((300, 100, 0, 250, 150), (800, 0, 0, 0, 0)),
                       kv_segs=((300, 0, 100, 250, 150), (800, 0, 0, 0, 0))),
     "window-softcap": dict(window=(90, 0), softcap=4.0),
+    # A relative-position bias per head (dbias summed over the batch), and a mask array: each
+    # with segment ids where a feature combination lists the pair.
+    "bias": dict(bias="1NTS"),
+    "mask": dict(mask="B1TS"),
 }
 
 

@@ -124,10 +124,11 @@ struct ForwardParams {
   AttentionOptions options;
   Operand q, k, v;
   Operand bias;        //!< optional, dtype float64/float32/bfloat16/float16
-  //! Optional with a bias (the Hopper kernels need it, the CPU kernels do not read it): the
-  //! class of every (query block, key block) of the bias for the pass's tile, as mask_blocks
-  //! below: 0 where the bias drops every logit of the block (jax_flash/_primitive.py,
-  //! _bias_blocks), 1 otherwise.
+  //! Optional with a bias (the Hopper kernels need it without a mask, the CPU kernels do not
+  //! read it): the class of every (query block, key block) of the bias for the pass's tile, as
+  //! mask_blocks below: 0 where the bias drops every logit of the block
+  //! (jax_flash/_primitive.py, _bias_tiles), 1 otherwise. With a mask too, absent: the kernels
+  //! read the mask_blocks alone.
   Operand bias_blocks;
   Operand mask;        //!< optional, bool: true keeps the logit (the CPU kernels' form)
   //! The Hopper kernels' form of a mask, in place of the array (so that XLA need not build a

@@ -58,7 +58,8 @@ void coalesce_batch(const BatchShape& shape, const BatchMap* const (&maps)[kOper
   }
 }
 
-//! The block classes the kernels read: the mask's, else the bias's (absent without either).
+//! The block classes the kernels read: the mask's (with a bias too), else the bias's (absent
+//! without either).
 inline const Operand& block_classes(const ForwardParams& p) {
   return p.mask_bits.present() ? p.mask_blocks : p.bias_blocks;
 }
@@ -155,8 +156,9 @@ inline Status check_block_classes(const ForwardParams& p, const char* name, cons
 //! Checks a mask's operands for a pass whose rows are queries (or keys, with rows_are_keys) on
 //! a (block_m, block_n) tile: the bits, one row per query (key) or one where the mask
 //! broadcasts them and a bit per key (query); the block classes, one per block of each axis
-//! the mask holds. The kernels take no mask array: the mask these describe holds heads and the
-//! rows' axis as the bits do, the columns' axis as the classes do (one block: broadcast).
+//! the mask holds (with a bias too, the only classes the kernels read). The kernels take no
+//! mask array: the mask these describe holds heads and the rows' axis as the bits do, the
+//! columns' axis as the classes do (one block: broadcast).
 inline Status check_mask_operands(const ForwardParams& p, int block_m, int block_n,
                                   bool rows_are_keys) {
   if (!p.mask_bits.present()) return Status::Ok();
@@ -185,11 +187,18 @@ inline Status check_mask_operands(const ForwardParams& p, int block_m, int block
 }
 
 //! Checks what the kernels require of a bias array: the inputs' dtype (they read it as such)
-//! and its block classes for the (block_m, block_n) tile.
+//! and its block classes for the (block_m, block_n) tile; with a mask, the kernels read the
+//! mask's classes alone and the bias has none.
 inline Status check_bias_operands(const ForwardParams& p, int block_m, int block_n) {
   if (!p.bias.present()) return Status::Ok();
-  Status status = check_block_classes(p, "bias_blocks", p.bias_blocks, p.bias, "bias", block_m,
-                                      block_n);
+  if (p.mask_bits.present() && p.bias_blocks.present()) {
+    return Status::InvalidArgument("jax_flash: with a mask, the bias takes no bias_blocks (the "
+                                   "kernels read the mask_blocks alone)");
+  }
+  Status status = p.mask_bits.present()
+                      ? Status::Ok()
+                      : check_block_classes(p, "bias_blocks", p.bias_blocks, p.bias, "bias",
+                                            block_m, block_n);
   if (!status.ok()) return status;
   if (p.bias.dtype != p.shape.dtype) {
     return Status::InvalidArgument("jax_flash: the Hopper kernels read a bias of the inputs' "

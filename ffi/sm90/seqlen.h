@@ -64,7 +64,8 @@ struct SegmentIds {
 
 //! How jax_flash/_primitive.py classifies each (query block, key block) of a mask array for a
 //! pass's tile: no pair kept, some kept, every pair kept. A bias's blocks are empty where the
-//! bias drops every logit (see _bias_blocks there), else partial.
+//! bias drops every logit (see _bias_tiles there), else partial; with both arrays the mask's
+//! serve alone.
 enum class MaskBlock : int8_t { kEmpty = 0, kPartial = 1, kFull = 2 };
 
 //! A boolean mask array (true keeps a logit) as the kernels read it: its rows as bits,
