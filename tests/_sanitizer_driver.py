@@ -16,7 +16,7 @@ tiles: per head and batch item with grouped heads and odd key counts, read eleme
 broadcast over queries, read in pairs; patches of the lowest value and -inf, whose blocks are
 skipped, under the ordered dQ reduction, which visits them; their gradient, element by element and
 summed over the queries), and the pairs of these the kernels combine (a bias with a mask, whose
-classes are the pair's; a bias or a mask with segment ids).
+classes the kernels read alone; a bias or a mask with segment ids).
 A head dim with several forward tiles runs its causal, segment-id and few-row cases (decoding
 among them) on the tile that prefers them (kernel_configs.json) and the others on its default.
 Each case also runs the gradients (the backward's kernels). Every output and gradient is
