@@ -174,7 +174,8 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
        num_m_blocks * int64_t(Traits::kDqBlockFloats * sizeof(float))) * s.group_size();
   status = make_schedule(num_n_blocks, s.num_kv_heads, s.num_kv_heads * batch_count,
                          shared_bytes_per_head, /*heads_within_a_wave=*/true, reverse,
-                         /*balance_sections=*/windowed, context, "backward", &kp.scheduler);
+                         /*balance_sections=*/windowed, /*items_adjacent=*/items_share_bias(f),
+                         context, "backward", &kp.scheduler);
   if (!status.ok()) return status;
   mainloop.reverse_key_blocks = kp.scheduler.reverse_blocks;
   kp.mainloop = Kernel::Mainloop::to_params(mainloop);

@@ -245,15 +245,24 @@ float bias_units(const ForwardParams& p) {
   return Traits::kSoftcap ? kLog2e : 1.f / kernel_scale(p);
 }
 
+//! Whether batch items share the bias (it broadcasts a batch axis): their tiles then run side
+//! by side (make_schedule's items_adjacent).
+inline bool items_share_bias(const ForwardParams& p) {
+  return p.bias.present() && own_batch_items(p.shape.batch, p.bias.batch) < p.shape.batch.count();
+}
+
 //! Fills the scheduler's tile walk over `num_blocks` blocks of `num_heads_total` heads. Heads
 //! per section: as many as keep `bytes_per_head` of operands that all blocks of a head read
 //! within half of L2 (the rest serves the streamed operands). With `heads_within_a_wave`, no
 //! more heads than one wave of CTAs covers whole: the blocks of a head then run side by side
-//! and meet in L2 on the data they share, before the next heads' blocks evict it.
+//! and meet in L2 on the data they share, before the next heads' blocks evict it. With
+//! `items_adjacent`, the batch items of a head come one after another (see
+//! TileSchedulerParams).
 inline Status make_schedule(int64_t num_blocks, int64_t num_heads, int64_t num_heads_total,
                             int64_t bytes_per_head, bool heads_within_a_wave, bool reverse_blocks,
-                            bool balance_sections, const LaunchContext& context,
-                            const char* kernel_name, TileSchedulerParams* sched) {
+                            bool balance_sections, bool items_adjacent,
+                            const LaunchContext& context, const char* kernel_name,
+                            TileSchedulerParams* sched) {
   const int64_t num_tiles = num_heads_total * num_blocks;
   if (num_tiles > INT32_MAX - 2 * int64_t(context.sm_count)) {
     return Status::InvalidArgument(std::string("jax_flash: too many blocks x heads x batch (") +
@@ -261,10 +270,12 @@ inline Status make_schedule(int64_t num_blocks, int64_t num_heads, int64_t num_h
                                    kernel_name + " kernel");
   }
   sched->num_blocks = int32_t(num_blocks);
-  sched->num_heads = int32_t(num_heads);
   sched->num_heads_total = int32_t(num_heads_total);
   sched->num_tiles = int32_t(num_tiles);
   sched->reverse_blocks = reverse_blocks;
+  const int64_t heads = std::max<int64_t>(num_heads, 1);
+  sched->inner_extent = int32_t(items_adjacent ? num_heads_total / heads : heads);
+  sched->items_adjacent = items_adjacent;
   int64_t heads_per_section = (int64_t(context.l2_bytes) / 2) / std::max<int64_t>(bytes_per_head, 1);
   if (heads_within_a_wave) {
     heads_per_section = std::min<int64_t>(heads_per_section, context.sm_count / num_blocks);

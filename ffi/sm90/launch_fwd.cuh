@@ -72,7 +72,8 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   const int64_t kv_bytes_per_head = 2 * s.seqlen_k * s.head_dim * int64_t(sizeof(Element));
   status = make_schedule(num_m_blocks, s.num_heads, num_heads_total, kv_bytes_per_head,
                          /*heads_within_a_wave=*/packed, /*reverse_blocks=*/windowed,
-                         /*balance_sections=*/windowed && !packed, context, "forward",
+                         /*balance_sections=*/windowed && !packed,
+                         /*items_adjacent=*/items_share_bias(p), context, "forward",
                          &kp.scheduler);
   if (!status.ok()) return status;
 
