@@ -19,6 +19,9 @@ Two families of one shape (B, T = S, N, H), timed in one process:
   learned bias family  a learned per-head bias (T5's relative positions, ALiBi):
                     head_bias      a random (1, N, T, S) bias, not causal, differentiated in
                                    fwd_bwd (dbias summed over the batch)
+  learned item bias family  a learned bias per batch item and head:
+                    item_head_bias  a random (B, N, T, S) bias, differentiated in fwd_bwd
+                                   (dbias with an element per logit)
   masked learned bias families  the learned bias with a mask array, or with segment ids:
                     padded_head_bias    head_bias with the padding family's (B, 1, 1, S) mask
                                         (T5's encoder)
@@ -71,6 +74,7 @@ FAMILIES = {"causal": ("causal", "causal_mask", "causal_bias"),
             "padding": ("lengths", "padding_mask"),
             "documents": ("segment_ids", "document_mask"),
             "learned_bias": ("head_bias",),
+            "learned_item_bias": ("item_head_bias",),
             "padded_learned_bias": ("padded_head_bias",),
             "causal_learned_bias": ("causal_head_bias",),
             "packed_learned_bias": ("segment_head_bias", "document_head_bias"),
@@ -96,7 +100,7 @@ def visible_flops(family: str, args, mode: str) -> float:
     flops = 4.0 * B * N * T * T * H * 0.5
   elif family in ("documents", "packed_learned_bias"):
     flops = 4.0 * B * N * T * args.doc_len * H * 0.5
-  elif family in ("learned_bias", "capped_learned_bias"):
+  elif family in ("learned_bias", "learned_item_bias", "capped_learned_bias"):
     flops = 4.0 * B * N * T * T * H
   else:
     flops = 4.0 * N * T * H * sum(lengths_of(B, T))
@@ -138,6 +142,7 @@ def build(impl: str, way: str, args, mode: str):
       "segment_ids": dict(is_causal=True, **packed),
       "document_mask": dict(is_causal=True, mask=document_mask),
       "head_bias": {},
+      "item_head_bias": {},
       "padded_head_bias": dict(mask=padding_mask),
       "causal_head_bias": dict(mask=causal_mask),
       "segment_head_bias": dict(is_causal=True, **packed),
@@ -150,7 +155,8 @@ def build(impl: str, way: str, args, mode: str):
   # Differentiated operands: q, k, v and, for the learned bias, the bias.
   primals = (q, k, v)
   if way.endswith("head_bias"):
-    primals += (jax.random.normal(keys[4], (1, N, T, T), args.dtype),)
+    items = B if way == "item_head_bias" else 1
+    primals += (jax.random.normal(keys[4], (items, N, T, T), args.dtype),)
   if impl == "jax_flash":
     call = jax_flash.dot_product_attention
   elif impl == "cudnn":

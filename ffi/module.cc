@@ -61,17 +61,17 @@ nb::dict BuildInfo() {
 
 #if defined(JAX_FLASH_WITH_CUDA)
 //! Bytes of the workspace result the Hopper backward takes for a problem of these sizes (query
-//! rows, query heads, head dim over `batch` items) and a bias gradient of `dbias_elements`
-//! elements (0: none).
+//! rows, query heads, head dim over `batch` items, key rows) and a bias gradient of
+//! `dbias_elements` elements (0: none).
 int64_t BackwardWorkspaceBytes(int64_t batch, int64_t seqlen_q, int64_t num_heads,
                                int64_t head_dim, bool bfloat16, bool deterministic,
-                               int64_t dbias_elements) {
+                               int64_t dbias_elements, int64_t seqlen_k) {
   jax_flash::BackwardParams params;
   jax_flash::AttentionShape& shape = params.fwd.shape;
   shape.batch.rank = 1;
   shape.batch.extent[0] = batch;
   shape.seqlen_q = seqlen_q;
-  shape.seqlen_k = 1;
+  shape.seqlen_k = seqlen_k;
   shape.num_heads = num_heads;
   shape.num_kv_heads = 1;
   shape.head_dim = head_dim;
@@ -95,7 +95,7 @@ NB_MODULE(_jax_flash_ext, m) {
 #if defined(JAX_FLASH_WITH_CUDA)
   m.def("backward_workspace_bytes", &BackwardWorkspaceBytes, nb::arg("batch"),
         nb::arg("seqlen_q"), nb::arg("num_heads"), nb::arg("head_dim"), nb::arg("bfloat16"),
-        nb::arg("deterministic"), nb::arg("dbias_elements"),
+        nb::arg("deterministic"), nb::arg("dbias_elements"), nb::arg("seqlen_k"),
         "Bytes of the Hopper backward's workspace result for these sizes.");
 #endif
 }

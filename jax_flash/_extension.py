@@ -82,13 +82,17 @@ def warn_cuda_handlers_not_built() -> None:
 
 
 def backward_workspace_bytes(batch: int, seqlen_q: int, num_heads: int, head_dim: int, dtype,
-                             deterministic: bool = False, dbias_elements: int = 0) -> int:
+                             deterministic: bool = False, dbias_elements: int = 0,
+                             seqlen_k: int | None = None) -> int:
   """Bytes of the workspace the Hopper backward of `batch` items of (seqlen_q, num_heads,
   head_dim) queries takes as its last result: the fp32 dQ accumulator, two fp32 row statistics
   per query row (rows padded to the tile's query block), with `deterministic` one counter per
-  query block, and an fp32 accumulator for a bias gradient of `dbias_elements` elements. 0
-  without the CUDA handlers, or for problems the Hopper kernels do not take (they fail with
-  their own error when called)."""
+  query block, and an fp32 accumulator for a bias gradient of `dbias_elements` elements where
+  it sums over an axis of the (seqlen_q, seqlen_k) logits (one with an element per logit is
+  stored directly). 0 without the CUDA handlers, or for problems the Hopper kernels do not
+  take (they fail with their own error when called)."""
+  if dbias_elements and seqlen_k is None:
+    raise TypeError("backward_workspace_bytes: seqlen_k is needed with dbias_elements")
   if not cuda_built():
     return 0
   import numpy as np
@@ -96,7 +100,7 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, num_heads: int, head_dim
     return int(_jax_flash_ext.backward_workspace_bytes(
         batch=batch, seqlen_q=seqlen_q, num_heads=num_heads, head_dim=head_dim,
         bfloat16=np.dtype(dtype).name == "bfloat16", deterministic=deterministic,
-        dbias_elements=dbias_elements))
+        dbias_elements=dbias_elements, seqlen_k=1 if seqlen_k is None else seqlen_k))
   except ValueError:
     return 0
 

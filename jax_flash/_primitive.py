@@ -345,7 +345,8 @@ def _backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_
     T, N, H = q.shape[rank:]
     nbytes = _extension.backward_workspace_bytes(
         math.prod(batch), T, N, H, q.dtype, config.deterministic,
-        dbias_elements=math.prod(result_types[3].shape) if bias_gradient else 0)
+        dbias_elements=math.prod(result_types[3].shape) if bias_gradient else 0,
+        seqlen_k=k.shape[-3])
     result_types.append(jax.ShapeDtypeStruct((nbytes,), np.uint8))
   call = jax.ffi.ffi_call(_extension.BACKWARD_TARGET, tuple(result_types),
                           vmap_method="expand_dims")

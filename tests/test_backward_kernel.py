@@ -171,7 +171,8 @@ def test_backward_handler_rejects_a_short_workspace(platform):
 
 
 def test_backward_workspace_is_reported(platform):
-  """The workspace taken from XLA: fp32 dQ accumulator plus two fp32 values per padded row."""
+  """The workspace taken from XLA: fp32 dQ accumulator plus two fp32 values per padded row;
+  counters for the ordered dQ reduction; an fp32 accumulator for a bias gradient that sums."""
   tile = _config.SM90_BACKWARD_TILES[-1]
   T = 1000
   rows = -(-T // tile.block_m) * tile.block_m
@@ -182,3 +183,22 @@ def test_backward_workspace_is_reported(platform):
   ordered = _extension.backward_workspace_bytes(2, T, 3, tile.head_dim, DTYPES[0],
                                                 deterministic=True)
   assert ordered > got
+  # A bias gradient with an element per logit is stored into the result: no room for it. One
+  # that sums over an axis (here the batch) takes a float32 accumulator.
+  S = 300
+  per_logit = _extension.backward_workspace_bytes(2, T, 3, tile.head_dim, DTYPES[0],
+                                                  dbias_elements=2 * 3 * T * S, seqlen_k=S)
+  assert per_logit == got
+  summed = _extension.backward_workspace_bytes(2, T, 3, tile.head_dim, DTYPES[0],
+                                               dbias_elements=3 * T * S, seqlen_k=S)
+  assert got + 3 * T * S * 4 <= summed < got + 3 * T * S * 4 + 256
+  # One key: the kernel sums along the keys' axis (stride 0) before adding, into an accumulator.
+  one_key = _extension.backward_workspace_bytes(2, T, 3, tile.head_dim, DTYPES[0],
+                                                dbias_elements=2 * 3 * T, seqlen_k=1)
+  assert got + 2 * 3 * T * 4 <= one_key < got + 2 * 3 * T * 4 + 256
+
+
+def test_backward_workspace_needs_the_key_count_with_a_bias_gradient():
+  """Whether a bias gradient needs an accumulator depends on the logits' extent (the keys too)."""
+  with pytest.raises(TypeError, match="seqlen_k"):
+    _extension.backward_workspace_bytes(1, 8, 2, 64, DTYPES[0], dbias_elements=16)

@@ -352,7 +352,7 @@ def test_gpu_bias_handler_checks(platform):
 
   def backward(deterministic, dbias_elements):
     workspace = _extension.backward_workspace_bytes(1, 128, 2, 64, dtype, deterministic,
-                                                    dbias_elements=dbias_elements)
+                                                    dbias_elements=dbias_elements, seqlen_k=128)
     call = jax.ffi.ffi_call(
         _extension.BACKWARD_TARGET,
         tuple(jax.ShapeDtypeStruct(q.shape, dtype) for _ in range(3)) +

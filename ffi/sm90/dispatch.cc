@@ -150,7 +150,7 @@ BackwardWorkspaceLayout MakeBackwardLayout(const AttentionShape& s, int64_t bloc
   offset += RoundUp256(query_blocks * block_m * int64_t(sizeof(float)));
   layout.row_term = offset;
   offset += RoundUp256(query_blocks * block_m * int64_t(sizeof(float)));
-  if (dbias_elements > 0) {
+  if (dbias_elements > 0 && bias_gradient_accumulates(s, dbias_elements)) {
     layout.dbias_accum = offset;
     offset += RoundUp256(dbias_elements * int64_t(sizeof(float)));
   }

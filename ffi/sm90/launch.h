@@ -33,8 +33,8 @@ struct BackwardWorkspaceLayout {
   int64_t dq_semaphore = -1;  //!< (batch, heads, query blocks) int32; -1 when not deterministic
   int64_t lse_log2 = 0;       //!< (batch, heads, query blocks * block_m) fp32
   int64_t row_term = 0;       //!< same shape
-  //! float32, laid out like the dbias result; -1 without a bias gradient. Cleared before the
-  //! main kernel.
+  //! float32, laid out like the dbias result; -1 without a bias gradient or where the backward
+  //! stores it directly (bias_gradient_accumulates). Cleared before the main kernel.
   int64_t dbias_accum = -1;
   int64_t bytes = 0;
 };
@@ -57,6 +57,17 @@ inline int64_t bias_gradient_elements(const BackwardParams& params) {
   const Operand& dbias = params.dbias;
   if (!dbias.present()) return 0;
   return own_batch_items(params.fwd.shape.batch, dbias.batch) * dbias.batch_stride;
+}
+
+//! Whether the backward adds the bias gradient of `dbias_elements` elements into a float32
+//! accumulator, then rounds it into the result: where dbias sums over an axis of the problem's
+//! logits (a broadcast bias), several steps add into each element. One with an element per
+//! logit takes one step's dS per element, which the backward stores into the result directly,
+//! unless there is one query or one key: an axis of extent 1 has stride 0, like a broadcast
+//! one, and the kernel sums the gradient along it in registers before adding it.
+inline bool bias_gradient_accumulates(const AttentionShape& s, int64_t dbias_elements) {
+  return s.seqlen_q == 1 || s.seqlen_k == 1 ||
+         dbias_elements != s.batch.count() * s.num_heads * s.seqlen_q * s.seqlen_k;
 }
 
 //! Whether the compiled forward tile (head_dim, block_m) states no preference: its head dim's

@@ -29,15 +29,10 @@ inline int preprocess_lanes_log2(int64_t head_dim) {
   return log2;
 }
 
-//! Checks a wanted bias gradient: room for its accumulator in the workspace and, in a
-//! deterministic backward, no axis it sums over (additions from several CTAs into one element
-//! would land in any order).
-inline Status check_bias_gradient(const BackwardParams& p, const BackwardWorkspaceLayout& layout) {
-  if (!p.dbias.present()) return Status::Ok();
-  if (layout.dbias_accum < 0) {
-    return Status::Internal("jax_flash: the backward workspace holds no bias gradient");
-  }
-  if (!p.deterministic) return Status::Ok();
+//! Checks a wanted bias gradient in a deterministic backward: no axis it sums over (additions
+//! from several CTAs into one element would land in any order).
+inline Status check_bias_gradient(const BackwardParams& p) {
+  if (!p.dbias.present() || !p.deterministic) return Status::Ok();
   const AttentionShape& s = p.fwd.shape;
   bool sums = (p.dbias.extent[0] == 1 && s.num_heads > 1) ||
               (p.dbias.extent[1] == 1 && s.seqlen_q > 1) ||
@@ -75,7 +70,7 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
   Status status = check_mask_operands(f, Traits::kBlockM, Traits::kBlockN,
                                       /*rows_are_keys=*/true);
   if (status.ok()) status = check_bias_operands(f, Traits::kBlockM, Traits::kBlockN);
-  if (status.ok()) status = check_bias_gradient(p, layout);
+  if (status.ok()) status = check_bias_gradient(p);
   if (!status.ok()) return status;
   kp.problem = make_problem(f);
   typename Kernel::Mainloop::Arguments mainloop;
@@ -105,10 +100,18 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
                                               : reinterpret_cast<int*>(base + layout.dq_semaphore);
   const int64_t dbias_count = bias_gradient_elements(p);
   if (dbias_count > 0) {
+    // Blocks the kernel skips hold no gradient: the accumulator, or the result stored into
+    // directly, starts at zero.
     BiasGradient& dbias = mainloop.dbias;
-    point_at(dbias, reinterpret_cast<float*>(base + layout.dbias_accum), p.dbias);
-    const cudaError_t err = cudaMemsetAsync(dbias.data, 0, dbias_count * sizeof(float),
-                                            context.stream);
+    dbias.direct = !bias_gradient_accumulates(s, dbias_count);
+    if (!dbias.direct && layout.dbias_accum < 0) {
+      return Status::Internal("jax_flash: the backward workspace has no bias gradient accumulator");
+    }
+    point_at(dbias, dbias.direct ? p.dbias.data : static_cast<void*>(base + layout.dbias_accum),
+             p.dbias);
+    const cudaError_t err = cudaMemsetAsync(
+        dbias.data, 0, dbias_count * (dbias.direct ? sizeof(Element) : sizeof(float)),
+        context.stream);
     if (err != cudaSuccess) {
       return Status::Internal(std::string("jax_flash: clearing the bias gradient failed: ") +
                               cudaGetErrorString(err));
@@ -201,12 +204,12 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
                          int(batch_count * s.num_heads * num_m_blocks), Postprocess::kNumThreads,
                          Postprocess::kSharedStorageBytes, Postprocess::to_params(post), context,
                          "backward dQ convert");
-  if (!status.ok() || dbias_count == 0) return status;
+  if (!status.ok() || dbias_count == 0 || mainloop.dbias.direct) return status;
 
   // dbias: round the accumulator into the result (a few waves of CTAs stride over it).
-  const BiasGradientConvertParams<Element> convert{mainloop.dbias.data,
-                                                   static_cast<Element*>(p.dbias.data),
-                                                   dbias_count};
+  const BiasGradientConvertParams<Element> convert{
+      static_cast<const float*>(mainloop.dbias.data), static_cast<Element*>(p.dbias.data),
+      dbias_count};
   const int64_t convert_ctas = std::min<int64_t>(
       (dbias_count + kBiasGradientConvertThreads - 1) / kBiasGradientConvertThreads,
       8 * int64_t(context.sm_count));

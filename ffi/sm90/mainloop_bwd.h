@@ -17,7 +17,8 @@
     to S^T as in the forward (read transposed); where its gradient is wanted, each step adds
     its dS^T into a float32 accumulator with atomic additions, summed first over the keys where
     the bias broadcasts along them; one broadcast along the queries is summed in registers over
-    a query head's steps and added once (skipped blocks have dS = 0).
+    a query head's steps and added once (skipped blocks have dS = 0). A gradient with an element
+    per logit takes one step's dS per element: it is stored into the result directly.
 */
 #pragma once
 
@@ -460,7 +461,7 @@ struct BackwardMainloop {
 
     int ds_stage = 0;
     auto step = [&](int32_t m_block, MaskView const& mask_view, MaskBlock cls,
-                    const Element* bias, float* dbias) {
+                    const Element* bias, void* dbias) {
       prefetch_bias(bias, m_block);
       // S^T = K Q^T and dP^T = V dO^T, back to back.
       Tensor tSrS = partition_fragment_C(mma_sdp, ShapeSt{});
@@ -529,10 +530,14 @@ struct BackwardMainloop {
       auto add_bias_gradient = [&] {
         if (dbias != nullptr && params.dbias.row_stride == 0) {
           mask.add_row_sums(dp, dbias_key_sums, m_block * kBlockM, problem.seqlen_q);
+        } else if (dbias != nullptr && params.dbias.direct) {
+          mask.store_bias_gradient(dp, static_cast<Element*>(dbias), params.dbias.col_stride,
+                                   params.dbias.row_stride, info.n_start(), problem.seqlen_k,
+                                   m_block * kBlockM, problem.seqlen_q);
         } else if (dbias != nullptr) {
-          mask.add_bias_gradient(dp, dbias, params.dbias.col_stride, params.dbias.row_stride,
-                                 info.n_start(), problem.seqlen_k, m_block * kBlockM,
-                                 problem.seqlen_q);
+          mask.add_bias_gradient(dp, static_cast<float*>(dbias), params.dbias.col_stride,
+                                 params.dbias.row_stride, info.n_start(), problem.seqlen_k,
+                                 m_block * kBlockM, problem.seqlen_q);
         }
       };
       if constexpr (Traits::kSoftcap) {
@@ -611,10 +616,15 @@ struct BackwardMainloop {
     for (int32_t g = 0; g < problem.group_size; ++g) {
       const auto mask_view = info.mask_of(problem, g);
       const Element* bias = Traits::kBias ? info.bias_of(problem, g) : nullptr;
-      float* dbias = Traits::kBias && params.dbias.present()
-                         ? params.dbias.of(problem.batch, info.coord.batch,
-                                           info.coord.head * problem.group_size + g)
-                         : nullptr;
+      void* dbias = nullptr;
+      if (Traits::kBias && params.dbias.present()) {
+        const int32_t head = info.coord.head * problem.group_size + g;
+        dbias = params.dbias.direct
+                    ? static_cast<void*>(
+                          params.dbias.template of<Element>(problem.batch, info.coord.batch, head))
+                    : static_cast<void*>(
+                          params.dbias.template of<float>(problem.batch, info.coord.batch, head));
+      }
       dbias_key_sums.fill(0.f);
       // Each block's class is read a step ahead, so that skipping does not wait on its load.
       MaskBlock cls = info.query_block_class(problem, mask_view, info.queries.begin);
@@ -628,8 +638,8 @@ struct BackwardMainloop {
       }
       if constexpr (Traits::kBias) {
         if (dbias != nullptr && params.dbias.row_stride == 0) {
-          mask.add_row_sums_to(dbias_key_sums, dbias, params.dbias.col_stride, info.n_start(),
-                               problem.seqlen_k);
+          mask.add_row_sums_to(dbias_key_sums, static_cast<float*>(dbias),
+                               params.dbias.col_stride, info.n_start(), problem.seqlen_k);
         }
       }
     }

@@ -268,6 +268,18 @@ struct BlockMask {
     }
   }
 
+  //! Stores the block's logit gradients (rowcol view `ds`), rounded to Element, into a bias
+  //! gradient with an element per logit (BiasGradient::direct), addressed as in
+  //! add_bias_gradient.
+  template <class TensorS, class Element>
+  CUTE_DEVICE void store_bias_gradient(TensorS const& ds, Element* dbias, int64_t row_step,
+                                       int64_t col_step, int row_start, int row_limit,
+                                       int col_start, int col_limit) const {
+    for_each_element(coordinates(), dbias, row_step, col_step, row_start, row_limit, col_start,
+                     col_limit,
+                     [&](int r, int c, Element* address) { *address = Element(ds(r, c)); });
+  }
+
   //! For a bias gradient summed over the columns: adds the block's logit gradients (rowcol view
   //! `ds`) of each of the thread's rows, over its columns before col_limit, into `sums`, which
   //! the caller keeps over every block of the same rows (one addition to memory per row then,

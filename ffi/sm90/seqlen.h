@@ -136,10 +136,14 @@ struct BiasArray : LogitArray<const void> {
   bool paired = false;
 };
 
-//! The backward's float32 accumulator of the bias gradient: laid out like the dbias result
-//! (the bias's own extents, full on the batch axes vmap added). Every block's dS is added into
-//! it; a last pass converts it to the bias's dtype.
-using BiasGradient = LogitArray<float>;
+//! Where the backward puts the bias gradient, laid out like the dbias result (the bias's own
+//! extents, full on the batch axes vmap added): a float32 accumulator into which every block's
+//! dS is added and which a last pass converts to the bias's dtype, or, `direct`, the result
+//! itself, into which each block's dS is stored (one with an element per logit,
+//! bias_gradient_accumulates).
+struct BiasGradient : LogitArray<void> {
+  bool direct = false;
+};
 
 //! The runtime scalars of an attention problem that every pass needs: sizes, the visibility
 //! rule (window; causal is window_right == 0), the optional per-item lengths, segment ids,
