@@ -17,6 +17,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFlashBackwardCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFlashForwardCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFlashBackwardCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFlashForwardMergeCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFlashBiasClassesCuda);
 #endif
 
 namespace nb = nanobind;
@@ -41,6 +42,7 @@ nb::dict Registrations() {
   cuda["jax_flash_fwd"] = Encapsulate(JaxFlashForwardCuda);
   cuda["jax_flash_bwd"] = Encapsulate(JaxFlashBackwardCuda);
   cuda["jax_flash_fwd_merge"] = Encapsulate(JaxFlashForwardMergeCuda);
+  cuda["jax_flash_bias_classes"] = Encapsulate(JaxFlashBiasClassesCuda);
   platforms["CUDA"] = cuda;
 #endif
   return platforms;

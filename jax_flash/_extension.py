@@ -28,6 +28,8 @@ FORWARD_TARGET = "jax_flash_fwd"
 BACKWARD_TARGET = "jax_flash_bwd"
 #: CUDA only: the merge of a forward split along the keys (jax_flash/_split_kv.py).
 FORWARD_MERGE_TARGET = "jax_flash_fwd_merge"
+#: CUDA only: the block classes of a bias for a Hopper pass's tile (_primitive._bias_tiles).
+BIAS_CLASSES_TARGET = "jax_flash_bias_classes"
 
 _BUILD_INFO = _jax_flash_ext.build_info()
 _lock = threading.Lock()

@@ -257,20 +257,20 @@ def _bias_tiles(bias, tile):
   """The Hopper pass's bias operand [bias_blocks] for its tile: the class of each block,
   (batch..., N|1, MB|1, SB|1) int8, 0 where the bias drops the block (see _BIAS_DROPS_AT), else
   1; none without a bias. A causal bias of the dtype's lowest value (bfloat16, float32) drops
-  the blocks above the diagonal. On the device, as _mask_tiles."""
+  the blocks above the diagonal. By a CUDA kernel of jax_flash's that decides most blocks by
+  their first entry (a learned bias: one load per block) and reads a block, then its rows,
+  only where that entry is low."""
   if bias is None:
     return []
-  bias = lax.optimization_barrier(bias)
-  *lead, T, S = bias.shape
-  bm, bn, MB, SB = _block_extents(bias, tile)
-  padded = jnp.pad(bias.astype(jnp.float32),
-                   [(0, 0)] * len(lead) + [(0, MB * bm - T), (0, SB * bn - S)],
-                   constant_values=-jnp.inf)
-  block_max = padded.reshape(*lead, MB * bm, SB, bn).max(-1)  # per row and key block
-  # Rows past the end hold nothing and keep nothing.
-  row_holds = (block_max.max(-1) > _BIAS_ROW_HOLDS) | (lax.iota(jnp.int32, MB * bm) >= T)
-  kept = (block_max > _BIAS_DROPS_AT) | ~row_holds[..., None]
-  return [kept.reshape(*lead, MB, bm, SB).any(-2).astype(jnp.int8)]
+  _extension.ensure_registered()
+  *lead, _, _ = bias.shape
+  _, _, MB, SB = _block_extents(bias, tile)
+  call = jax.ffi.ffi_call(_extension.BIAS_CLASSES_TARGET,
+                          jax.ShapeDtypeStruct((*lead, MB, SB), jnp.int8),
+                          vmap_method="expand_dims")
+  classes = call(bias, block_m=np.int64(tile.block_m), block_n=np.int64(tile.block_n),
+                 drops_at=np.float32(_BIAS_DROPS_AT), row_holds=np.float32(_BIAS_ROW_HOLDS))
+  return [_varying.varying_like(classes, bias)]
 
 
 def _logit_array_tiles(bias, mask, tile, T, S, rows_are_keys):

@@ -14,7 +14,8 @@ empty, full and partial blocks, per head with grouped heads, and soft-capped und
 reduction, which visits the empty ones) and bias arrays (their own instantiations on the default
 tiles: per head and batch item with grouped heads and odd key counts, read element by element;
 broadcast over queries, read in pairs; patches of the lowest value and -inf, whose blocks are
-skipped, under the ordered dQ reduction, which visits them; their gradient, element by element and
+skipped, under the ordered dQ reduction, which visits them, with odd key counts and 16-byte rows
+by turns (the classes kernel's two ways of reading a block); their gradient, element by element and
 summed over the queries), and the pairs of these the kernels combine (a bias with a mask, whose
 classes the kernels read alone; a bias or a mask with segment ids).
 A head dim with several forward tiles runs its causal, segment-id and few-row cases (decoding
@@ -88,8 +89,10 @@ def cases():
       yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=False, window=(40, 9),
                  lengths=None, bias="B11S", S=256,
                  softcap=3.0 if _combined("softcap", "bias") else None)
+      # Key counts that the classes kernel reads entry by entry and, with 16-byte rows, in
+      # vectors, by turns over the head dims.
       yield dict(H=H, dtype=dtypes[0], is_causal=False, window=None, lengths="ragged",
-                 bias="lowest", deterministic=True)
+                 bias="lowest", deterministic=True, S=(201, 256)[i % 2])
     # Pairs of logit arrays and segment ids, where the kernels combine them.
     if _combined("mask", "bias"):
       yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=True, window=None,

@@ -130,20 +130,63 @@ def _lowest_patches(rng, shape, dtype, patch=32):
                                               rng.standard_normal(shape))).astype(dtype)
 
 
-@pytest.mark.parametrize("shape", [(2, 3, 200, 300), (1, 1, 129, 64), (2, 1, 1, 300),
-                                   (3, 2, 200, 1)], ids=str)
-def test_bias_tiles_drop_only_blocks_without_probability(shape):
-  """Blocks of the lowest value and -inf are dropped where their rows hold finite entries;
-  a row whose every entry is that low keeps its blocks; sizes that do not divide the tile,
-  broadcast query or key axes (one block along them)."""
+@pytest.mark.parametrize("platform", [GPU], indirect=True)
+@pytest.mark.parametrize("shape", [(2, 3, 200, 300), (1, 2, 150, 200), (1, 1, 129, 64),
+                                   (2, 1, 1, 300), (3, 2, 200, 1), (2, 2, 1, 3, 70, 90)], ids=str)
+@pytest.mark.parametrize("dtype", _config.GPU_DTYPES, ids=lambda d: d.name)
+def test_gpu_bias_tiles_drop_only_blocks_without_probability(platform, shape, dtype):
+  """The CUDA kernel's classes: blocks of the lowest value and -inf are dropped where their
+  rows hold finite entries (float16's lowest value, -65504, drops nothing: there only blocks of
+  -inf alone); a row whose every entry is that low keeps its blocks; rows whose finite entries
+  start far along the keys; a causal bias; sizes that do not divide the tile, broadcast query
+  or key axes (one block along them), several leading axes; a random bias keeps every block.
+  Key counts of a multiple of 8 (16-byte rows: the kernel's vector loads) and of others."""
   rng = np.random.default_rng(0)
-  bias = _lowest_patches(rng, shape, jnp.bfloat16, patch=16)
-  bias[..., min(5, shape[-2] - 1), :] = jnp.finfo(jnp.bfloat16).min  # a row holding nothing
+  bias = _lowest_patches(rng, shape, dtype, patch=16)
+  bias[..., min(5, shape[-2] - 1), :] = jnp.finfo(dtype).min  # a row holding nothing
   tile = _config.Sm90ForwardTile(head_dim=64, block_m=64, block_n=32, stages=2)
   [ours] = _primitive._bias_tiles(jnp.asarray(bias), tile)
   np.testing.assert_array_equal(np.asarray(ours), _brute_bias_classes(bias, 64, 32))
   if shape[-1] > 1 and shape[-2] > 1:
-    assert (np.asarray(ours) == 0).any() and (np.asarray(ours) == 1).any()
+    assert (np.asarray(ours) == 1).any()
+    if dtype == jnp.bfloat16:
+      assert (np.asarray(ours) == 0).any()
+  learned = jnp.asarray(rng.standard_normal(shape), dtype)
+  [ours] = _primitive._bias_tiles(learned, tile)
+  assert (np.asarray(ours) == 1).all()
+  # -inf left of a column that moves with the row (past the first 32 keys in many rows), and
+  # causal: blocks read whole, rows searched.
+  t, s = np.ogrid[:shape[-2], :shape[-1]]
+  for keeps in (s >= (t * 37) % shape[-1], s <= t):
+    bias = np.broadcast_to(np.where(keeps, rng.standard_normal(shape), -np.inf), shape)
+    [ours] = _primitive._bias_tiles(jnp.asarray(bias, dtype), tile)
+    np.testing.assert_array_equal(np.asarray(ours), _brute_bias_classes(bias, 64, 32))
+
+
+@pytest.mark.parametrize("platform", [GPU], indirect=True)
+def test_gpu_bias_classes_handler_checks(platform):
+  """The bias classes' CUDA handler refuses classes of another shape or dtype, a bias of rank
+  1 or of a dtype the Hopper kernels do not read, with an error naming them."""
+  from jax_flash import _extension
+  _extension.ensure_registered()
+  bias = jnp.zeros((2, 100, 70), jnp.bfloat16)
+  attrs = dict(block_m=np.int64(64), block_n=np.int64(32),
+               drops_at=np.float32(_primitive._BIAS_DROPS_AT),
+               row_holds=np.float32(_primitive._BIAS_ROW_HOLDS))
+
+  def classes(bias, shape, dtype=jnp.int8):
+    call = jax.ffi.ffi_call(_extension.BIAS_CLASSES_TARGET, jax.ShapeDtypeStruct(shape, dtype))
+    return jax.block_until_ready(call(bias, **attrs))
+
+  assert np.asarray(classes(bias, (2, 2, 3))).tolist() == [[[1] * 3] * 2] * 2
+  for operand, shape, dtype, message in (
+      (bias, (2, 2, 2), jnp.int8, "must be shaped"),
+      (bias, (1, 2, 3), jnp.int8, "must be shaped"),
+      (bias, (2, 2, 3), jnp.int32, "int8"),
+      (bias[0, 0], (1, 3), jnp.int8, "rank 2"),
+      (bias.astype(jnp.float32), (2, 2, 3), jnp.int8, "bfloat16 or float16")):
+    with pytest.raises(jax.errors.JaxRuntimeError, match=message):
+      classes(operand, shape, dtype)
 
 
 def test_a_bias_with_a_mask_travels_with_the_mask_classes_alone():
@@ -159,8 +202,10 @@ def test_a_bias_with_a_mask_travels_with_the_mask_classes_alone():
     assert bias_tiles == [] and len(tiles) == len(want) == 2
     for got, expected in zip(tiles, want):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
-    tiles, bias_tiles = _primitive._logit_array_tiles(bias, None, tile, 200, 300, rows_are_keys)
-    assert tiles == [] and len(bias_tiles) == 1
+    tiles, bias_tiles = jax.eval_shape(functools.partial(
+        _primitive._logit_array_tiles, mask=None, tile=tile, T=200, S=300,
+        rows_are_keys=rows_are_keys), bias)
+    assert tiles == [] and [(b.shape, b.dtype) for b in bias_tiles] == [((1, 3, 4, 10), np.int8)]
 
 
 # --- the GPU -----------------------------------------------------------------------------------

@@ -454,6 +454,52 @@ Status DescribeForwardMerge(ffi::AnyBuffer out_parts, ffi::AnyBuffer lse_parts,
   return Status::Ok();
 }
 
+Status DescribeBiasClasses(ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> classes,
+                           int64_t block_m, int64_t block_n, BiasClassesOperands* c) {
+  *c = BiasClassesOperands{};
+  const auto dims = bias.dimensions();
+  const auto class_dims = classes->dimensions();
+  const size_t rank = dims.size();
+  if (rank < 2) {
+    return Status::InvalidArgument("jax_flash: the bias must have rank 2 or more (..., queries, "
+                                   "keys), got shape " + DimsToString(dims));
+  }
+  if (!ToElementType(bias.element_type(), &c->dtype) || !IsFloating(c->dtype)) {
+    return Status::InvalidArgument("jax_flash: the bias must be floating");
+  }
+  if (classes->element_type() != ffi::DataType::S8) {
+    return Status::InvalidArgument("jax_flash: the bias classes must be int8");
+  }
+  if (block_m < 1 || block_n < 1) {
+    return Status::InvalidArgument("jax_flash: the bias classes need positive block sizes, got " +
+                                   std::to_string(block_m) + " x " + std::to_string(block_n));
+  }
+  c->rows = dims[rank - 2];
+  c->cols = dims[rank - 1];
+  c->block_rows = c->rows > 1 ? block_m : 1;
+  c->block_cols = c->cols > 1 ? block_n : 1;
+  c->row_blocks = (c->rows + c->block_rows - 1) / c->block_rows;
+  c->col_blocks = (c->cols + c->block_cols - 1) / c->block_cols;
+  c->items = 1;
+  bool ok = class_dims.size() == rank && class_dims[rank - 2] == c->row_blocks &&
+            class_dims[rank - 1] == c->col_blocks;
+  for (size_t i = 0; i + 2 < rank; ++i) {
+    c->items *= dims[i];
+    ok = ok && class_dims[i] == dims[i];
+  }
+  if (!ok) {
+    return Status::InvalidArgument("jax_flash: the bias classes of a bias shaped " +
+                                   DimsToString(dims) + " in " + std::to_string(block_m) + " x " +
+                                   std::to_string(block_n) + " blocks must be shaped (..., " +
+                                   std::to_string(c->row_blocks) + ", " +
+                                   std::to_string(c->col_blocks) + "), got " +
+                                   DimsToString(class_dims));
+  }
+  c->bias = bias.untyped_data();
+  c->classes = classes->untyped_data();
+  return Status::Ok();
+}
+
 ffi::Error ToFfiError(const Status& status) {
   switch (status.code()) {
     case Status::Code::kOk: return ffi::Error::Success();

@@ -111,6 +111,21 @@ Status DescribeForwardMerge(ffi::AnyBuffer out_parts, ffi::AnyBuffer lse_parts,
                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                             ForwardMergeOperands* operands);
 
+//! The buffers of the bias classes (the CUDA handler that classifies a bias's blocks for a
+//! pass's tile): bias (items..., rows, cols) into classes (items..., row_blocks, col_blocks)
+//! int8, with the tile's block sizes (1 along an axis of extent 1, which the bias broadcasts).
+struct BiasClassesOperands {
+  const void* bias = nullptr;
+  void* classes = nullptr;
+  ElementType dtype = ElementType::kFloat32;
+  int64_t items = 0, rows = 0, cols = 0;
+  int64_t block_rows = 0, block_cols = 0, row_blocks = 0, col_blocks = 0;
+};
+
+//! Checks the bias classes' buffers against each other and the tile's block sizes.
+Status DescribeBiasClasses(ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> classes,
+                           int64_t block_m, int64_t block_n, BiasClassesOperands* operands);
+
 ffi::Error ToFfiError(const Status& status);
 
 const char* ElementTypeName(ElementType dtype);

@@ -1,8 +1,8 @@
 /*! \file handlers_cuda.cc
-    \brief The "CUDA" platform FFI handlers of both passes and of the merge of a split
-           forward: validate, build parameters, launch the Hopper kernels on XLA's stream. The
-           backward's workspace arrives as its last result (allocated by XLA like a
-           temporary). Host compiler only.
+    \brief The "CUDA" platform FFI handlers of both passes, of the merge of a split forward
+           and of a bias's block classes: validate, build parameters, launch the Hopper
+           kernels on XLA's stream. The backward's workspace arrives as its last result
+           (allocated by XLA like a temporary). Host compiler only.
 */
 #include <cuda_runtime_api.h>
 
@@ -122,6 +122,36 @@ ffi::Error ForwardMergeCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   return ToFfiError(status);
 }
 
+ffi::Error BiasClassesCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer bias,
+                           int64_t block_m, int64_t block_n, float drops_at, float row_holds,
+                           ffi::Result<ffi::AnyBuffer> classes) {
+  BiasClassesOperands c;
+  Status status = DescribeBiasClasses(bias, classes, block_m, block_n, &c);
+  sm90::LaunchContext context;
+  if (status.ok()) status = GetLaunchContext(stream, device, &context);
+  if (status.ok() && (c.rows > INT32_MAX || c.cols > INT32_MAX || c.block_rows > INT32_MAX ||
+                      c.block_cols > INT32_MAX)) {
+    status = Status::InvalidArgument("jax_flash: the bias's extents exceed int32");
+  }
+  if (status.ok()) {
+    sm90::BiasClassesParams params;
+    params.bias = c.bias;
+    params.classes = static_cast<int8_t*>(c.classes);
+    params.items = c.items;
+    params.rows = int32_t(c.rows);
+    params.cols = int32_t(c.cols);
+    params.block_rows = int32_t(c.block_rows);
+    params.block_cols = int32_t(c.block_cols);
+    params.row_blocks = int32_t(c.row_blocks);
+    params.col_blocks = int32_t(c.col_blocks);
+    params.drops_at = drops_at;
+    params.row_holds = row_holds;
+    params.dtype = c.dtype;
+    status = sm90::RunBiasClasses(params, context);
+  }
+  return ToFfiError(status);
+}
+
 }  // namespace
 }  // namespace jax_flash
 
@@ -143,3 +173,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashForwardMergeCuda, jax_flash::ForwardMergeC
                                   .Arg<xla::ffi::AnyBuffer>()   // lse_parts
                                   .Ret<xla::ffi::AnyBuffer>()   // out
                                   .Ret<xla::ffi::AnyBuffer>());  // lse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBiasClassesCuda, jax_flash::BiasClassesCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // bias
+                                  .Attr<int64_t>("block_m")
+                                  .Attr<int64_t>("block_n")
+                                  .Attr<float>("drops_at")
+                                  .Attr<float>("row_holds")
+                                  .Ret<xla::ffi::AnyBuffer>());  // classes

@@ -120,6 +120,24 @@ struct ForwardMergeParams {
 //! by exp(lse_part - lse). Validates the extents it relies on.
 Status RunForwardMerge(const ForwardMergeParams& params, const LaunchContext& context);
 
+//! The block classes of a bias array, (items, rows, cols) of the inputs' dtype, for a tile of
+//! (block_rows, block_cols) blocks (kernel_bias_classes.h): classes (items, row_blocks,
+//! col_blocks) int8.
+struct BiasClassesParams {
+  const void* bias = nullptr;
+  int8_t* classes = nullptr;
+  int64_t items = 0;
+  int32_t rows = 0, cols = 0;
+  int32_t block_rows = 0, block_cols = 0;
+  int32_t row_blocks = 0, col_blocks = 0;
+  float drops_at = 0.f;   //!< entries at most this may drop their block
+  float row_holds = 0.f;  //!< ... where each row of the block holds an entry above this
+  ElementType dtype = ElementType::kBFloat16;
+};
+
+//! Classifies the blocks of a bias. Validates the extents it relies on.
+Status RunBiasClasses(const BiasClassesParams& params, const LaunchContext& context);
+
 //! One compiled configuration of each pass; defined in launch_fwd.cuh / launch_bwd.cuh,
 //! instantiated per tile and dtype.
 template <ElementType kDtype, int kTileHeadDim, int kTileBlockM>
