@@ -62,10 +62,6 @@ Status CheckProblem(const ForwardParams& p, const char* pass, const KernelFeatur
                                    Number(kBiasMinScale) + ", got " + Number(p.options.scale) +
                                    " (jax_flash routes such calls to its blockwise path)");
   }
-  if (p.bias.present() && !p.mask_blocks.present() && !p.bias_blocks.present()) {
-    return Status::InvalidArgument("jax_flash: the Hopper kernels need the bias's block classes "
-                                   "(bias_blocks) with a bias array and no mask");
-  }
   const bool segments = p.q_segment_ids.present();
   if (segments != p.kv_segment_ids.present() || segments != p.kv_span.present() ||
       segments != p.q_span.present()) {
