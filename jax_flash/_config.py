@@ -52,6 +52,8 @@ class Sm90BackwardTile:
   sdp_warpgroups_along_keys: int
   dkv_warpgroups_along_keys: int
   dq_warpgroups_along_queries: int
+  # Q stages of the kernels that read a bias (0: stages_q).
+  stages_q_with_bias: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,8 +83,11 @@ def cases():
                  lengths=None, mask="patches", deterministic=True,
                  softcap=4.0 if _combined("softcap", "mask") else None)
     if "bias" in _config.SM90_FORWARD.features | _config.SM90_BACKWARD.features:
+      # Keys a multiple of 8: the backward moves the bias and its gradient in TMA tiles;
+      # soft-capped by turns, where the kernels combine the two.
       yield dict(H=H, dtype=dtypes[i % len(dtypes)], is_causal=True, window=None,
-                 lengths="ragged", bias="BNTS")
+                 lengths="ragged", bias="BNTS", S=200,
+                 softcap=2.5 if i % 2 and _combined("softcap", "bias") else None)
       # With soft-capping where the kernels combine the two.
       yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=False, window=(40, 9),
                  lengths=None, bias="B11S", S=256,

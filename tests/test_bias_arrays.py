@@ -222,10 +222,11 @@ def test_gpu_bias_arrays(platform, H, spec):
   """Forward, the gradients of q, k, v and the bias (summed over its broadcast axes), and
   those of q, k, v of a constant bias through the log-sum-exp, on the Hopper kernels, every
   GPU dtype; grouped key/value heads, sizes that do not divide the tiles, causal. The key
-  count is odd for the first dtype and even for the next: the kernels read and add the bias
-  and its gradient in pairs of keys only where its rows keep that alignment."""
+  count is odd for the first dtype and a multiple of 8 for the next: the forward reads the
+  bias in pairs of keys, and the backward a bias that keeps both axes in TMA tiles, only where
+  its rows keep those alignments."""
   for i, dtype in enumerate(_config.GPU_DTYPES):
-    case = Case(B=2, T=333, S=461 + i, N=4, K=2, H=H, dtype=dtype.name, bias=spec,
+    case = Case(B=2, T=333, S=461 + 3 * i, N=4, K=2, H=H, dtype=dtype.name, bias=spec,
                 is_causal=True)
     check_forward(case, platform)
     check_gradients(case, platform)
@@ -259,10 +260,11 @@ GPU_BIAS_MASK_SPECS = (("1NTS", "B11S"), ("B1TS", "11TS"), ("BNTS", "BNTS"))
 def test_gpu_bias_with_a_mask(platform, H, specs):
   """A bias and a mask array together: forward and gradients (dbias summed over the bias's
   broadcast axes; zero where the mask hides a logit) against the definition, every GPU dtype,
-  grouped heads, causal and not, dead rows where the mask holds queries."""
+  grouped heads, causal and not, dead rows where the mask holds queries; keys as in
+  test_gpu_bias_arrays."""
   bias, mask = specs
   for i, dtype in enumerate(_config.GPU_DTYPES):
-    case = Case(B=2, T=333, S=461 + i, N=4, K=2, H=H, dtype=dtype.name, bias=bias, mask=mask,
+    case = Case(B=2, T=333, S=461 + 3 * i, N=4, K=2, H=H, dtype=dtype.name, bias=bias, mask=mask,
                 is_causal=i == 0, dead_rows="T" in mask)
     check_forward(case, platform)
     check_gradients(case, platform)

@@ -107,6 +107,7 @@ def test_table_is_consistent():
     assert tile.block_m == 64 * tile.dq_warpgroups_along_queries
     assert tile.head_dim % (tile.dq_slices * 8) == 0
     assert min(tile.stages_q, tile.stages_do, tile.stages_ds) >= 1
+    assert tile.stages_q_with_bias >= 0
 
 
 def test_gpu_head_dim_supported_follows_the_table():

@@ -78,6 +78,14 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   PipelineDo pipeline_do(storage.pipeline_do,
                          row_tile_pipeline_params<Traits, PipelineDo>(is_producer),
                          Shape<_1, _1, _1>{});
+  typename Mainloop::PipelineBias::Params bias_pipeline_params;
+  bias_pipeline_params.transaction_bytes = Traits::kBiasTileBytes;
+  bias_pipeline_params.role = is_producer ? Mainloop::PipelineBias::ThreadCategory::Producer
+                                          : Mainloop::PipelineBias::ThreadCategory::Consumer;
+  bias_pipeline_params.is_leader = threadIdx.x == 0;
+  bias_pipeline_params.num_consumers = Traits::kNumMmaThreads;
+  typename Mainloop::PipelineBias pipeline_bias(storage.pipeline_bias, bias_pipeline_params,
+                                                Shape<_1, _1, _1>{});
   __syncthreads();  // barrier initialisation visible to every thread
 
   const TileInfo info(params.problem, StaticPersistentScheduler(params.scheduler).coord());
@@ -88,10 +96,12 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       if (threadIdx.x == 0 && !info.empty()) {  // the pipelines' leader issues every load
         auto write_q = cutlass::make_producer_start_state<PipelineQ>();
         auto write_do = cutlass::make_producer_start_state<PipelineDo>();
-        Mainloop::load(params.mainloop, params.problem, storage, pipeline_q, pipeline_do, write_q,
-                       write_do, info);
+        auto write_bias = cutlass::make_producer_start_state<typename Mainloop::PipelineBias>();
+        Mainloop::load(params.mainloop, params.problem, storage, pipeline_q, pipeline_do,
+                       pipeline_bias, write_q, write_do, write_bias, info);
         pipeline_q.producer_tail(write_q);
         pipeline_do.producer_tail(write_do);
+        if (params.mainloop.bias_in_tiles) pipeline_bias.producer_tail(write_bias);
       }
     } else if (warp == 1 && !info.empty()) {
       Mainloop::free_dq_staging();
@@ -109,8 +119,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     if (!info.empty()) {
       typename Mainloop::StateQ read_q;
       typename Mainloop::StateDo read_do;
-      Mainloop::mma(params.mainloop, params.problem, storage, pipeline_q, pipeline_do, read_q,
-                    read_do, info, warp_group - 1, thread_idx, tdKrdK, tdVrdV);
+      typename Mainloop::StateBias read_bias;
+      Mainloop::mma(params.mainloop, params.problem, storage, pipeline_q, pipeline_do,
+                    pipeline_bias, read_q, read_do, read_bias, info, warp_group - 1, thread_idx,
+                    tdKrdK, tdVrdV);
     }
     Epilogue::store(params.epilogue, storage.k.data(), storage.v.data(), info, thread_idx, tdKrdK,
                     tdVrdV);

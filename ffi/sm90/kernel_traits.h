@@ -1,7 +1,7 @@
 /*! \file kernel_traits.h
-    \brief What the Hopper kernels share at compile time: element types, the global view of a
-           BTNH operand read in place, and the register budget split between a producer
-           warpgroup and the MMA warpgroups.
+    \brief What the Hopper kernels share at compile time: element types, the global views of a
+           BTNH operand read in place and of a bias moved in tiles, and the register budget
+           split between a producer warpgroup and the MMA warpgroups.
 */
 #pragma once
 
@@ -49,6 +49,16 @@ template <class Element>
 struct SequenceTensor {
   using Shape = cute::Shape<int32_t, int32_t, int32_t, int32_t>;
   using Stride = cute::Stride<int64_t, _1, int64_t, int64_t>;
+  using Type = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), Shape{},
+                                    Stride{}));
+};
+
+//! A logit array (a bias) read in tiles by TMA, as (keys, queries, heads, batch items): keys
+//! contiguous, an axis it broadcasts of extent 1.
+template <class Element>
+struct LogitTensor {
+  using Shape = cute::Shape<int32_t, int32_t, int32_t, int32_t>;
+  using Stride = cute::Stride<_1, int64_t, int64_t, int64_t>;
   using Type = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), Shape{},
                                     Stride{}));
 };

@@ -47,7 +47,9 @@ struct BackwardKernelTraits {
   static constexpr bool kBlockClasses = kMask || kBias;
   static constexpr int kBlockM = Tile::kBlockM;  //!< queries per step
   static constexpr int kBlockN = Tile::kBlockN;  //!< keys per CTA
-  static constexpr int kStagesQ = Tile::kStagesQ;
+  //! A bias tile per step takes shared memory that some tiles find by fewer Q stages.
+  static constexpr int kStagesQ =
+      kBias && Tile::kStagesQWithBias > 0 ? Tile::kStagesQWithBias : Tile::kStagesQ;
   static constexpr int kStagesDo = Tile::kStagesDo;
   static constexpr int kStagesDs = Tile::kStagesDs;
   //! dQ is computed and reduced in this many slices of the head dim (fewer registers and less
@@ -150,6 +152,19 @@ struct BackwardKernelTraits {
                          SM90_U32x2_STSM_N>,
       Element>;
 
+  // The bias of a step, where TMA can read it (it keeps the query and key axes; see
+  // BackwardMainloop): (keys, queries) with keys contiguous, as the bias lies in memory. The
+  // MMA warpgroups read it into the S^T accumulator layout with transposing ldmatrix.
+  using SmemLayoutBias = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::MN, Element, Int<kBlockN>,
+                                                          Int<kBlockM>>(),
+      Shape<Int<kBlockN>, Int<kBlockM>>{}));
+  using SmemCopyAtomBias = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
+  //! A bias gradient with an element per logit leaves through the same tile, written with
+  //! transposing stmatrix once the step has read the bias.
+  using SmemCopyAtomBiasGradient = Copy_Atom<SM90_U16x8_STSM_T, Element>;
+  static constexpr int kBiasTileBytes = kBias ? kBlockN * kBlockM * int(sizeof(Element)) : 0;
+
   // The fp32 dQ partial sums of one (query block, head) travel as kDqSlices x warpgroups units,
   // each in the order the warpgroup holds them in registers (groups of 4 consecutive registers
   // per thread, thread-minor), so that writing a unit to shared memory is conflict-free and
@@ -186,8 +201,19 @@ struct BackwardKernelTraits {
   using TmaStoreDq = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorSeq{}, SmemLayoutDq{},
                                             Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
 
+  using GmemTensorBias = typename LogitTensor<Element>::Type;
+  using ShapeBias = typename LogitTensor<Element>::Shape;
+  using TmaLoadBias = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorBias{}, SmemLayoutBias{},
+                                             Shape<Int<kBlockN>, Int<kBlockM>>{}, _1{}));
+  using TmaStoreBias = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorBias{}, SmemLayoutBias{},
+                                              Shape<Int<kBlockN>, Int<kBlockM>>{}, _1{}));
+
   using PipelineQ = cutlass::PipelineTmaAsync<kStagesQ>;
   using PipelineDo = cutlass::PipelineTmaAsync<kStagesDo>;
+  //! One bias tile in flight: the MMA warpgroups free it early in their step (soft-capped, once
+  //! they read it again for tanh'; with a gradient stored through it, once its store has read
+  //! it, as the step's dQ product starts), so the next one loads during the rest of the step.
+  using PipelineBias = cutlass::PipelineTmaAsync<1>;
 };
 
 }  // namespace jax_flash::sm90

@@ -163,6 +163,12 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
   mainloop.scale_log2 = kernel_scale(f) * kLog2e;
   mainloop.softcap = kernel_softcap(f);
   mainloop.bias_units = bias_units<Traits>(f);
+  mainloop.bias_in_tiles = Traits::kBias && moves_in_tiles<Element>(f.bias);
+  if (mainloop.bias_in_tiles) mainloop.bias = logit_tensor<Element>(f.bias, s.batch);
+  // A gradient stored directly leaves through the bias's tile, once the step has read it.
+  mainloop.dbias_in_tiles =
+      mainloop.bias_in_tiles && mainloop.dbias.direct && moves_in_tiles<Element>(p.dbias);
+  if (mainloop.dbias_in_tiles) mainloop.dbias_tensor = logit_tensor<Element>(p.dbias, s.batch);
   // A window bounded on one side only makes the key blocks at the other end see more queries:
   // causal (bounded on the right) gives the first key blocks the most work, which the natural
   // order already runs first. Every key block of a head reads all its queries' Q and dO and

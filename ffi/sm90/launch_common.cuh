@@ -225,6 +225,31 @@ auto sequence_tensor(const Operand& op, int64_t seqlen, int64_t heads, int64_t h
   return make_tensor(make_gmem_ptr(static_cast<Element const*>(op.data)), shape, stride);
 }
 
+//! Whether TMA can move a logit array (a bias, its gradient) in (keys, queries) tiles: it
+//! keeps both axes (a bias broadcast along one is read from global memory, where its few lines
+//! stay in L1), its keys are contiguous, and its address and strides are 16-byte aligned.
+template <class Element>
+bool moves_in_tiles(const Operand& a) {
+  constexpr int64_t kAligned = 16 / int64_t(sizeof(Element));
+  return a.present() && a.extent[1] > 1 && a.extent[2] > 1 && a.stride[2] == 1 &&
+         a.stride[0] % kAligned == 0 && a.stride[1] % kAligned == 0 &&
+         a.batch_stride % kAligned == 0 && reinterpret_cast<uintptr_t>(a.data) % 16 == 0;
+}
+
+//! A logit array as its TMA tiles see it (LogitTensor). An axis it broadcasts has extent 1 and
+//! a stand-in stride, which never steps: a TMA descriptor wants a nonzero one.
+template <class Element>
+auto logit_tensor(const Operand& a, const BatchShape& batch) {
+  using Logit = LogitTensor<Element>;
+  const int64_t head_stride = a.stride[0] != 0 ? a.stride[0] : a.extent[1] * a.stride[1];
+  const int64_t item_stride = a.batch_stride != 0 ? a.batch_stride : a.extent[0] * head_stride;
+  auto shape = typename Logit::Shape(int32_t(a.extent[2]), int32_t(a.extent[1]),
+                                     int32_t(a.extent[0]),
+                                     int32_t(own_batch_items(batch, a.batch)));
+  auto stride = typename Logit::Stride(_1{}, a.stride[1], head_stride, item_stride);
+  return make_tensor(make_gmem_ptr(static_cast<Element const*>(a.data)), shape, stride);
+}
+
 //! The scale as the kernels use it: positive scale is guaranteed by the Python layer; a zero
 //! scale is taken as the smallest normal float, which gives the same (uniform) probabilities
 //! without a -inf * 0.

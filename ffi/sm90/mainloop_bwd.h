@@ -14,11 +14,16 @@
     With segment ids a CTA visits only the query blocks its keys' segments reach, and with a
     mask or bias array only those its block classes leave non-empty, except under that fixed
     order, whose turns count every key block the window lets see a query block. A bias is added
-    to S^T as in the forward (read transposed); where its gradient is wanted, each step adds
-    its dS^T into a float32 accumulator with atomic additions, summed first over the keys where
-    the bias broadcasts along them; one broadcast along the queries is summed in registers over
-    a query head's steps and added once (skipped blocks have dS = 0). A gradient with an element
-    per logit takes one step's dS per element: it is stored into the result directly.
+    to S^T as in the forward. One that keeps the query and key axes comes by TMA, a tile per
+    step through its own pipeline, and the MMA warpgroups read it with transposing ldmatrix
+    (read from global memory transposed, each element was a 2-byte load of its own); one
+    broadcast along either axis is read from global memory, where its few lines stay in L1.
+    Where its gradient is wanted, each step adds its dS^T into a float32 accumulator with
+    atomic additions, summed first over the keys where the bias broadcasts along them; one
+    broadcast along the queries is summed in registers over a query head's steps and added once
+    (skipped blocks have dS = 0). A gradient with an element per logit takes one step's dS per
+    element: it is stored into the result directly, through the bias's tile (written over the
+    bias once the step has read it, then sent by a TMA store) where TMA moves both.
 */
 #pragma once
 
@@ -46,6 +51,9 @@ struct BackwardMainloop {
   using PipelineDo = typename Traits::PipelineDo;
   using StateQ = cutlass::PipelineState<Traits::kStagesQ>;
   using StateDo = cutlass::PipelineState<Traits::kStagesDo>;
+  using PipelineBias = typename Traits::PipelineBias;
+  using StateBias = cutlass::PipelineState<1>;
+  using BiasTile = Shape<Int<Traits::kBlockN>, Int<Traits::kBlockM>>;  // (keys, queries)
   using Range = BlockRange<Traits::kBlockM, Traits::kBlockN>;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
@@ -69,7 +77,14 @@ struct BackwardMainloop {
     float scale_log2;  //!< softmax scale times log2(e), > 0
     LogitSoftcap softcap;  //!< used when Traits::kSoftcap
     float bias_units;      //!< the bias's factor (bias_units())
+    //! With a bias: whether TMA reads it in tiles (moves_in_tiles), and the bias as TMA sees it.
+    bool bias_in_tiles;
+    typename Traits::GmemTensorBias bias;
     BiasGradient dbias;    //!< with a bias (Traits::kBias), present when its gradient is wanted
+    //! With bias_in_tiles and a gradient stored directly: whether TMA stores it in the bias's
+    //! tiles, and the gradient as TMA sees it.
+    bool dbias_in_tiles;
+    typename Traits::GmemTensorBias dbias_tensor;
   };
 
   struct Params {
@@ -87,7 +102,13 @@ struct BackwardMainloop {
     float scale_log2;
     LogitSoftcap softcap;
     float bias_units;
+    bool bias_in_tiles;
+    typename Traits::TmaLoadBias tma_load_bias;
+    typename Traits::ShapeBias shape_bias;
     BiasGradient dbias;
+    bool dbias_in_tiles;
+    typename Traits::TmaStoreBias tma_store_dbias;
+    typename Traits::ShapeBias shape_dbias;
   };
 
   static Params to_params(Arguments const& args) {
@@ -119,7 +140,23 @@ struct BackwardMainloop {
     params.scale_log2 = args.scale_log2;
     params.softcap = args.softcap;
     params.bias_units = args.bias_units;
+    params.bias_in_tiles = Traits::kBias && args.bias_in_tiles;
+    if constexpr (Traits::kBias) {
+      if (params.bias_in_tiles) {
+        params.tma_load_bias = make_tma_copy(SM90_TMA_LOAD{}, args.bias,
+                                             typename Traits::SmemLayoutBias{}, BiasTile{}, _1{});
+        params.shape_bias = args.bias.shape();
+      }
+    }
     params.dbias = args.dbias;
+    params.dbias_in_tiles = params.bias_in_tiles && args.dbias_in_tiles;
+    if constexpr (Traits::kBias) {
+      if (params.dbias_in_tiles) {
+        params.tma_store_dbias = make_tma_copy(SM90_TMA_STORE{}, args.dbias_tensor,
+                                               typename Traits::SmemLayoutBias{}, BiasTile{}, _1{});
+        params.shape_dbias = args.dbias_tensor.shape();
+      }
+    }
     return params;
   }
 
@@ -128,12 +165,22 @@ struct BackwardMainloop {
     cute::prefetch_tma_descriptor(params.tma_load_do.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_load_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_load_v.get_tma_descriptor());
+    if (params.bias_in_tiles) {
+      cute::prefetch_tma_descriptor(params.tma_load_bias.get_tma_descriptor());
+    }
+    if (params.dbias_in_tiles) {
+      cute::prefetch_tma_descriptor(params.tma_store_dbias.get_tma_descriptor());
+    }
   }
 
   struct TensorsWithP {
     cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutPdS>, 1024> p;
   };
   struct TensorsWithoutP {};
+  struct TensorsWithBias {
+    cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutBias>, 1024> tile;
+  };
+  struct TensorsWithoutBias {};
 
   struct alignas(1024) SharedStorage {
     cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutK>, 1024> k;
@@ -141,6 +188,8 @@ struct BackwardMainloop {
     cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutDo>, 1024> dout;
     cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutPdS>, 1024> ds;
+    // Before the P tile, which may be empty: at head dim 64 its alignment padding would not fit.
+    std::conditional_t<Traits::kBias, TensorsWithBias, TensorsWithoutBias> bias;
     std::conditional_t<Traits::kDkvFromRegisters, TensorsWithoutP, TensorsWithP> p_tile;
     cute::array_aligned<float, kNumMmaWarpGroups * kDqUnitFloats, 128> dq;
     cute::array_aligned<float, kBlockM * Traits::kStagesQ, 128> lse;
@@ -148,6 +197,7 @@ struct BackwardMainloop {
     cutlass::arch::ClusterTransactionBarrier kv_full;
     typename PipelineQ::SharedStorage pipeline_q;
     typename PipelineDo::SharedStorage pipeline_do;
+    typename PipelineBias::SharedStorage pipeline_bias;
   };
 
   //! What every role knows alike about one (key block, key/value head, batch) tile. Built by
@@ -220,11 +270,12 @@ struct BackwardMainloop {
     return (int64_t(batch) * problem.num_heads + head) * params.num_m_blocks;
   }
 
-  //! Producer (one thread): K and V of the tile, then Q and dO with their row statistics for
-  //! every query block of every query head of the group.
+  //! Producer (one thread): K and V of the tile, then Q and dO with their row statistics (and
+  //! the bias tile, where TMA reads it) for every query block of every query head of the group.
   CUTE_DEVICE static void load(Params const& params, AttentionProblem const& problem,
                                SharedStorage& storage, PipelineQ& pipeline_q,
-                               PipelineDo& pipeline_do, StateQ& write_q, StateDo& write_do,
+                               PipelineDo& pipeline_do, PipelineBias& pipeline_bias,
+                               StateQ& write_q, StateDo& write_do, StateBias& write_bias,
                                TileInfo const& info) {
     Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sDo = make_tensor(make_smem_ptr(storage.dout.data()), typename Traits::SmemLayoutDo{});
@@ -258,6 +309,18 @@ struct BackwardMainloop {
     const int32_t do_item = params.dout_batch(problem.batch, batch);
     for (int32_t g = 0; g < problem.group_size; ++g) {
       const int32_t head = kv_head * problem.group_size + g;
+      // The bias tiles of the head's steps (kBias): (TMA, m).
+      auto bias_tiles = [&] {
+        if constexpr (Traits::kBias) {
+          Tensor mBias = params.tma_load_bias.get_tma_tensor(params.shape_bias);
+          const int32_t bias_head = problem.bias.head_stride == 0 ? 0 : head;
+          const int32_t bias_item = problem.bias.batch(problem.batch, batch);
+          return group_modes<0, 3>(params.tma_load_bias.get_slice(_0{}).partition_S(local_tile(
+              mBias(_, _, bias_head, bias_item), BiasTile{}, make_coord(info.coord.block, _))));
+        } else {
+          return 0;
+        }
+      }();
       Tensor tQgQ = group_modes<0, 3>(tma_q.partition_S(
           local_tile(mQ(_, _, head, q_item), QdOTile{}, make_coord(_, _0{}))));  // (TMA, m)
       Tensor tDOgDO = group_modes<0, 3>(tma_do.partition_S(
@@ -283,6 +346,17 @@ struct BackwardMainloop {
                                  storage.row_term.data() + write_do.index() * kBlockM,
                                  Traits::kRowStatBytes);
         ++write_do;
+        if constexpr (Traits::kBias) {
+          if (params.bias_in_tiles) {
+            Tensor sBias = make_tensor(make_smem_ptr(storage.bias.tile.data()),
+                                       typename Traits::SmemLayoutBias{});
+            pipeline_bias.producer_acquire(write_bias);
+            copy(params.tma_load_bias.with(*pipeline_bias.producer_get_barrier(write_bias), 0),
+                 bias_tiles(_, m_block),
+                 group_modes<0, 3>(params.tma_load_bias.get_slice(_0{}).partition_D(sBias)));
+            ++write_bias;
+          }
+        }
       }
     }
   }
@@ -358,7 +432,8 @@ struct BackwardMainloop {
   template <class FragmentDkv>
   CUTE_DEVICE static void mma(Params const& params, AttentionProblem const& problem,
                               SharedStorage& storage, PipelineQ& pipeline_q,
-                              PipelineDo& pipeline_do, StateQ& read_q, StateDo& read_do,
+                              PipelineDo& pipeline_do, PipelineBias& pipeline_bias,
+                              StateQ& read_q, StateDo& read_do, StateBias& read_bias,
                               TileInfo const& info, int warp_group, int thread_idx,
                               FragmentDkv& tdKrdK, FragmentDkv& tdVrdV) {
     using TiledMmaSdP = typename Traits::TiledMmaSdP;
@@ -442,17 +517,84 @@ struct BackwardMainloop {
                                                              tdQrK, tdQrdQ);
     };
 
-    // The bias, read transposed: along the keys (rows) with its key stride, along the queries
-    // (columns) with its query stride.
+    // The bias from global memory, read transposed: along the keys (rows) with its key
+    // stride, along the queries (columns) with its query stride.
     auto prefetch_bias = [&](const Element* bias, int32_t m_block) {
       if constexpr (Traits::kBias) {
-        mask.prefetch_bias(bias, problem.bias.col_stride, problem.bias.row_stride, info.n_start(),
-                           problem.seqlen_k, m_block * kBlockM, problem.seqlen_q);
+        if (!params.bias_in_tiles) {
+          mask.prefetch_bias(bias, problem.bias.col_stride, problem.bias.row_stride,
+                             info.n_start(), problem.seqlen_k, m_block * kBlockM,
+                             problem.seqlen_q);
+        }
       }
     };
-    auto add_bias = [&](auto& s, const Element* bias, int32_t m_block, float units) {
-      mask.add_bias(s, bias, problem.bias.col_stride, problem.bias.row_stride, /*paired=*/false,
-                    units, info.n_start(), problem.seqlen_k, m_block * kBlockM, problem.seqlen_q);
+    // The step's bias tile (TMA zero-fills the entries past the sequences, which lengths mask)
+    // enters the S^T accumulator a slice of ldmatrix at a time, few registers held.
+    auto smem_copy_bias = make_tiled_copy_C(typename Traits::SmemCopyAtomBias{}, mma_sdp);
+    auto thr_copy_bias = smem_copy_bias.get_thread_slice(thread_idx);
+    auto add_bias_tile = [&](auto& tSrS, float units) {
+      if constexpr (Traits::kBias) {
+        Tensor sBias = make_tensor(make_smem_ptr(storage.bias.tile.data()),
+                                   typename Traits::SmemLayoutBias{});
+        Tensor tSsBias = thr_copy_bias.partition_S(sBias);  // (CPY, CPY_M, CPY_N)
+        Tensor tSrS_copy = thr_copy_bias.retile_D(tSrS);     // the same view of S^T
+        CUTE_UNROLL
+        for (int n = 0; n < size<2>(tSrS_copy); ++n) {
+          Tensor bias_slice = make_fragment_like<Element>(tSrS_copy(_, _, n));
+          copy(smem_copy_bias, tSsBias(_, _, n), bias_slice);
+          Tensor s_slice = tSrS_copy(_, _, n);
+          CUTE_UNROLL
+          for (int i = 0; i < size(bias_slice); ++i) {
+            s_slice(i) = fmaf(float(bias_slice(i)), units, s_slice(i));
+          }
+        }
+      }
+    };
+    auto add_bias = [&](auto& tSrS, const Element* bias, int32_t m_block, float units) {
+      if (params.bias_in_tiles) {
+        add_bias_tile(tSrS, units);
+      } else {
+        Tensor s = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
+        mask.add_bias(s, bias, problem.bias.col_stride, problem.bias.row_stride,
+                      /*paired=*/false, units, info.n_start(), problem.seqlen_k,
+                      m_block * kBlockM, problem.seqlen_q);
+      }
+    };
+    // A gradient stored through the tile: dS^T in the input type, over the bias it replaces
+    // (each thread writes the elements it read), then one thread's TMA store.
+    auto smem_copy_dbias = make_tiled_copy_C(typename Traits::SmemCopyAtomBiasGradient{}, mma_sdp);
+    auto thr_copy_dbias = smem_copy_dbias.get_thread_slice(thread_idx);
+    auto write_bias_gradient_tile = [&](auto const& tdPrdP) {
+      if constexpr (Traits::kBias) {
+        Tensor sBias = make_tensor(make_smem_ptr(storage.bias.tile.data()),
+                                   typename Traits::SmemLayoutBias{});
+        Tensor rdS = make_fragment_like<Element>(tdPrdP);
+        convert_into(tdPrdP, rdS);
+        copy(smem_copy_dbias, thr_copy_dbias.retile_S(rdS), thr_copy_dbias.partition_D(sBias));
+      }
+    };
+    const int32_t dbias_item =
+        Traits::kBias ? params.dbias.batch(problem.batch, info.coord.batch) : 0;
+    int32_t dbias_head = 0;  // the query head of the steps, where dbias keeps the heads
+    auto store_bias_gradient_tile = [&](int32_t m_block) {
+      if constexpr (Traits::kBias) {
+        Tensor sBias = make_tensor(make_smem_ptr(storage.bias.tile.data()),
+                                   typename Traits::SmemLayoutBias{});
+        Tensor mDbias = params.tma_store_dbias.get_tma_tensor(params.shape_dbias);
+        auto tma_dbias = params.tma_store_dbias.get_slice(_0{});
+        Tensor gDbias = local_tile(mDbias(_, _, dbias_head, dbias_item), BiasTile{},
+                                   make_coord(info.coord.block, m_block));
+        copy(params.tma_store_dbias, tma_dbias.partition_S(sBias), tma_dbias.partition_D(gDbias));
+        tma_store_arrive();
+      }
+    };
+    // The bias tile is free once read for the last time in the step (with a gradient stored
+    // through it, once its store has read it).
+    auto release_bias = [&] {
+      if (params.bias_in_tiles) {
+        pipeline_bias.consumer_release(read_bias);
+        ++read_bias;
+      }
     };
 
     // A bias gradient summed over the queries (a bias broadcast along them): each thread's keys'
@@ -479,7 +621,11 @@ struct BackwardMainloop {
       if constexpr (Traits::kSoftcap) {
         params.softcap.template apply<kSoftcapReciprocalOnFma<kHeadDim>>(s);  // to log2 units
       }
-      if constexpr (Traits::kBias) add_bias(s, bias, m_block, params.bias_units);
+      if constexpr (Traits::kBias) {
+        if (params.bias_in_tiles) pipeline_bias.consumer_wait(read_bias);
+        add_bias(tSrS, bias, m_block, params.bias_units);
+        if (!Traits::kSoftcap && !params.dbias_in_tiles) release_bias();
+      }
       mask.apply_block(s, visibility,
                        Range::needs_mask</*kMaskQueryTail=*/true>(problem, info.lens, m_block,
                                                                   info.coord.block),
@@ -528,7 +674,9 @@ struct BackwardMainloop {
       }
       // dbias += dS (transposed); summed over the queries, into the key sums.
       auto add_bias_gradient = [&] {
-        if (dbias != nullptr && params.dbias.row_stride == 0) {
+        if (params.dbias_in_tiles) {
+          write_bias_gradient_tile(tdPrdP);
+        } else if (dbias != nullptr && params.dbias.row_stride == 0) {
           mask.add_row_sums(dp, dbias_key_sums, m_block * kBlockM, problem.seqlen_q);
         } else if (dbias != nullptr && params.dbias.direct) {
           mask.store_bias_gradient(dp, static_cast<Element*>(dbias), params.dbias.col_stride,
@@ -541,16 +689,19 @@ struct BackwardMainloop {
         }
       };
       if constexpr (Traits::kSoftcap) {
-        // The bias is added after the cap: its gradient takes no tanh'.
-        if constexpr (Traits::kBias) add_bias_gradient();
         // The log-sum-exps are read again from shared memory (their Q stage is still held)
         // rather than kept in registers across dP^T.
         const auto lse_again = column_values(storage.lse.data() + read_q.index() * kBlockM);
         if constexpr (Traits::kBias) {
-          // P is spent: its log2, less the bias (read again, from L1), gives the capped logit.
+          // P is spent: its log2, less the bias (read again, from its tile or from L1), gives
+          // the capped logit.
           CUTE_UNROLL
           for (int i = 0; i < size(s); ++i) s(i) = fast_log2(s(i));
-          add_bias(s, bias, m_block, -params.bias_units);
+          add_bias(tSrS, bias, m_block, -params.bias_units);
+          if (!params.dbias_in_tiles) release_bias();
+          // The bias is added after the cap: its gradient takes no tanh'. (Once the bias is
+          // read for the last time: a gradient stored through its tile overwrites it.)
+          add_bias_gradient();
         }
         CUTE_UNROLL
         for (int r = 0; r < size<0>(dp); ++r) {
@@ -584,10 +735,15 @@ struct BackwardMainloop {
       copy(smem_copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, ds_stage));
       cutlass::arch::fence_view_async_shared();
       sync_pds();
+      if (params.dbias_in_tiles && thread_idx == 0) store_bias_gradient_tile(m_block);
 
       // dQ of the first slice, then dK += dS^T Q while it runs.
       Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<Traits::kDqSliceDim>>{});
       issue_dq(_0{}, ds_stage, tdQrdQ);
+      if (params.dbias_in_tiles) {
+        if (thread_idx == 0) tma_store_wait<0>();
+        release_bias();
+      }
       warpgroup_wait<1>();  // dV complete: dO and its row term are no longer read
       pipeline_do.consumer_release(read_do);
       if constexpr (Traits::kDkvFromRegisters) {
@@ -619,6 +775,7 @@ struct BackwardMainloop {
       void* dbias = nullptr;
       if (Traits::kBias && params.dbias.present()) {
         const int32_t head = info.coord.head * problem.group_size + g;
+        dbias_head = params.dbias.head_stride == 0 ? 0 : head;
         dbias = params.dbias.direct
                     ? static_cast<void*>(
                           params.dbias.template of<Element>(problem.batch, info.coord.batch, head))
