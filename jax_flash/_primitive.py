@@ -257,9 +257,9 @@ def _bias_tiles(bias, tile):
   """The Hopper pass's bias operand [bias_blocks] for its tile: the class of each block,
   (batch..., N|1, MB|1, SB|1) int8, 0 where the bias drops the block (see _BIAS_DROPS_AT), else
   1; none without a bias. A causal bias of bfloat16's lowest value drops the blocks above the
-  diagonal (float16's, -65504, lies above _BIAS_DROPS_AT: only -inf drops). By a CUDA kernel of jax_flash's that decides most blocks by
-  their first entry (a learned bias: one load per block) and reads a block, then its rows,
-  only where that entry is low."""
+  diagonal (float16's, -65504, lies above _BIAS_DROPS_AT: only -inf drops). By a CUDA kernel
+  of jax_flash's that decides most blocks by their first entry (a learned bias: one load per
+  block) and reads a block, then its rows, only where that entry is low."""
   if bias is None:
     return []
   _extension.ensure_registered()

@@ -40,12 +40,12 @@ struct BackwardKernel {
   static_assert(kSharedStorageBytes <= Traits::kSmemBudget, "tile configuration exceeds shared memory");
 };
 
-//! The Q and dO pipelines: thread 0 loads, the MMA threads consume; each stage carries its
-//! tile and one fp32 statistic per row.
+//! The TMA pipelines (Q and dO, each stage its tile and one fp32 statistic per row; the bias
+//! tile): thread 0 loads `transaction_bytes` per stage, the MMA threads consume.
 template <class Traits, class Pipeline>
-CUTE_DEVICE typename Pipeline::Params row_tile_pipeline_params(bool is_producer) {
+CUTE_DEVICE typename Pipeline::Params tma_pipeline_params(bool is_producer, int transaction_bytes) {
   typename Pipeline::Params params;
-  params.transaction_bytes = Traits::kQStageBytes + Traits::kRowStatBytes;
+  params.transaction_bytes = transaction_bytes;
   params.role = is_producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
   params.is_leader = threadIdx.x == 0;
   params.num_consumers = Traits::kNumMmaThreads;
@@ -73,19 +73,18 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     Mainloop::prefetch_descriptors(params.mainloop);
     Epilogue::prefetch_descriptors(params.epilogue);
   }
-  PipelineQ pipeline_q(storage.pipeline_q, row_tile_pipeline_params<Traits, PipelineQ>(is_producer),
+  constexpr int kRowTileBytes = Traits::kQStageBytes + Traits::kRowStatBytes;
+  PipelineQ pipeline_q(storage.pipeline_q,
+                       tma_pipeline_params<Traits, PipelineQ>(is_producer, kRowTileBytes),
                        Shape<_1, _1, _1>{});
   PipelineDo pipeline_do(storage.pipeline_do,
-                         row_tile_pipeline_params<Traits, PipelineDo>(is_producer),
+                         tma_pipeline_params<Traits, PipelineDo>(is_producer, kRowTileBytes),
                          Shape<_1, _1, _1>{});
-  typename Mainloop::PipelineBias::Params bias_pipeline_params;
-  bias_pipeline_params.transaction_bytes = Traits::kBiasTileBytes;
-  bias_pipeline_params.role = is_producer ? Mainloop::PipelineBias::ThreadCategory::Producer
-                                          : Mainloop::PipelineBias::ThreadCategory::Consumer;
-  bias_pipeline_params.is_leader = threadIdx.x == 0;
-  bias_pipeline_params.num_consumers = Traits::kNumMmaThreads;
-  typename Mainloop::PipelineBias pipeline_bias(storage.pipeline_bias, bias_pipeline_params,
-                                                Shape<_1, _1, _1>{});
+  using PipelineBias = typename Mainloop::PipelineBias;
+  PipelineBias pipeline_bias(
+      storage.pipeline_bias,
+      tma_pipeline_params<Traits, PipelineBias>(is_producer, Traits::kBiasTileBytes),
+      Shape<_1, _1, _1>{});
   __syncthreads();  // barrier initialisation visible to every thread
 
   const TileInfo info(params.problem, StaticPersistentScheduler(params.scheduler).coord());
@@ -96,7 +95,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       if (threadIdx.x == 0 && !info.empty()) {  // the pipelines' leader issues every load
         auto write_q = cutlass::make_producer_start_state<PipelineQ>();
         auto write_do = cutlass::make_producer_start_state<PipelineDo>();
-        auto write_bias = cutlass::make_producer_start_state<typename Mainloop::PipelineBias>();
+        auto write_bias = cutlass::make_producer_start_state<PipelineBias>();
         Mainloop::load(params.mainloop, params.problem, storage, pipeline_q, pipeline_do,
                        pipeline_bias, write_q, write_do, write_bias, info);
         pipeline_q.producer_tail(write_q);

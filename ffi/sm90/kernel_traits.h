@@ -44,23 +44,22 @@ constexpr int mma_registers(int mma_threads, int producer_registers) {
   return left < 256 ? left : 256;
 }
 
-//! A BTNH operand (or result) read in place, as (sequence, head dim, heads, batch items).
-template <class Element>
-struct SequenceTensor {
+//! A four-mode global tensor read in place, one of its modes contiguous (Stride says which).
+template <class Element, class Stride_>
+struct GmemTensor4 {
   using Shape = cute::Shape<int32_t, int32_t, int32_t, int32_t>;
-  using Stride = cute::Stride<int64_t, _1, int64_t, int64_t>;
+  using Stride = Stride_;
   using Type = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), Shape{},
                                     Stride{}));
 };
 
-//! A logit array (a bias) read in tiles by TMA, as (keys, queries, heads, batch items): keys
+//! A BTNH operand (or result) read in place, as (sequence, head dim, heads, batch items).
+template <class Element>
+using SequenceTensor = GmemTensor4<Element, cute::Stride<int64_t, _1, int64_t, int64_t>>;
+
+//! A logit array (a bias) moved in tiles by TMA, as (keys, queries, heads, batch items): keys
 //! contiguous, an axis it broadcasts of extent 1.
 template <class Element>
-struct LogitTensor {
-  using Shape = cute::Shape<int32_t, int32_t, int32_t, int32_t>;
-  using Stride = cute::Stride<_1, int64_t, int64_t, int64_t>;
-  using Type = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), Shape{},
-                                    Stride{}));
-};
+using LogitTensor = GmemTensor4<Element, cute::Stride<_1, int64_t, int64_t, int64_t>>;
 
 }  // namespace jax_flash::sm90

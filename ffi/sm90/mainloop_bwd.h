@@ -181,6 +181,11 @@ struct BackwardMainloop {
     cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutBias>, 1024> tile;
   };
   struct TensorsWithoutBias {};
+  //! The bias tile (Traits::kBias): (keys, queries).
+  template <class Storage>
+  CUTE_DEVICE static auto bias_tile(Storage& storage) {
+    return make_tensor(make_smem_ptr(storage.bias.tile.data()), typename Traits::SmemLayoutBias{});
+  }
 
   struct alignas(1024) SharedStorage {
     cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutK>, 1024> k;
@@ -313,10 +318,10 @@ struct BackwardMainloop {
       auto bias_tiles = [&] {
         if constexpr (Traits::kBias) {
           Tensor mBias = params.tma_load_bias.get_tma_tensor(params.shape_bias);
-          const int32_t bias_head = problem.bias.head_stride == 0 ? 0 : head;
           const int32_t bias_item = problem.bias.batch(problem.batch, batch);
-          return group_modes<0, 3>(params.tma_load_bias.get_slice(_0{}).partition_S(local_tile(
-              mBias(_, _, bias_head, bias_item), BiasTile{}, make_coord(info.coord.block, _))));
+          return group_modes<0, 3>(params.tma_load_bias.get_slice(_0{}).partition_S(
+              local_tile(mBias(_, _, problem.bias.own_head(head), bias_item), BiasTile{},
+                         make_coord(info.coord.block, _))));
         } else {
           return 0;
         }
@@ -348,8 +353,7 @@ struct BackwardMainloop {
         ++write_do;
         if constexpr (Traits::kBias) {
           if (params.bias_in_tiles) {
-            Tensor sBias = make_tensor(make_smem_ptr(storage.bias.tile.data()),
-                                       typename Traits::SmemLayoutBias{});
+            Tensor sBias = bias_tile(storage);
             pipeline_bias.producer_acquire(write_bias);
             copy(params.tma_load_bias.with(*pipeline_bias.producer_get_barrier(write_bias), 0),
                  bias_tiles(_, m_block),
@@ -534,8 +538,7 @@ struct BackwardMainloop {
     auto thr_copy_bias = smem_copy_bias.get_thread_slice(thread_idx);
     auto add_bias_tile = [&](auto& tSrS, float units) {
       if constexpr (Traits::kBias) {
-        Tensor sBias = make_tensor(make_smem_ptr(storage.bias.tile.data()),
-                                   typename Traits::SmemLayoutBias{});
+        Tensor sBias = bias_tile(storage);
         Tensor tSsBias = thr_copy_bias.partition_S(sBias);  // (CPY, CPY_M, CPY_N)
         Tensor tSrS_copy = thr_copy_bias.retile_D(tSrS);     // the same view of S^T
         CUTE_UNROLL
@@ -566,8 +569,7 @@ struct BackwardMainloop {
     auto thr_copy_dbias = smem_copy_dbias.get_thread_slice(thread_idx);
     auto write_bias_gradient_tile = [&](auto const& tdPrdP) {
       if constexpr (Traits::kBias) {
-        Tensor sBias = make_tensor(make_smem_ptr(storage.bias.tile.data()),
-                                   typename Traits::SmemLayoutBias{});
+        Tensor sBias = bias_tile(storage);
         Tensor rdS = make_fragment_like<Element>(tdPrdP);
         convert_into(tdPrdP, rdS);
         copy(smem_copy_dbias, thr_copy_dbias.retile_S(rdS), thr_copy_dbias.partition_D(sBias));
@@ -578,8 +580,7 @@ struct BackwardMainloop {
     int32_t dbias_head = 0;  // the query head of the steps, where dbias keeps the heads
     auto store_bias_gradient_tile = [&](int32_t m_block) {
       if constexpr (Traits::kBias) {
-        Tensor sBias = make_tensor(make_smem_ptr(storage.bias.tile.data()),
-                                   typename Traits::SmemLayoutBias{});
+        Tensor sBias = bias_tile(storage);
         Tensor mDbias = params.tma_store_dbias.get_tma_tensor(params.shape_dbias);
         auto tma_dbias = params.tma_store_dbias.get_slice(_0{});
         Tensor gDbias = local_tile(mDbias(_, _, dbias_head, dbias_item), BiasTile{},
@@ -775,7 +776,7 @@ struct BackwardMainloop {
       void* dbias = nullptr;
       if (Traits::kBias && params.dbias.present()) {
         const int32_t head = info.coord.head * problem.group_size + g;
-        dbias_head = params.dbias.head_stride == 0 ? 0 : head;
+        dbias_head = params.dbias.own_head(head);
         dbias = params.dbias.direct
                     ? static_cast<void*>(
                           params.dbias.template of<Element>(problem.batch, info.coord.batch, head))

@@ -128,6 +128,8 @@ struct LogitArray {
     return static_cast<Pointer>(data) + int64_t(batch(problem_batch, b)) * item_stride +
            head * head_stride;
   }
+  //! The array's own index of query head `head`: 0 where it broadcasts the heads.
+  CUTE_HOST_DEVICE int32_t own_head(int32_t head) const { return head_stride == 0 ? 0 : head; }
 };
 
 //! An additive bias array of the inputs' dtype. `paired`: col_stride is 1 and every other
