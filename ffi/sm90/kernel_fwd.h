@@ -6,6 +6,8 @@
 */
 #pragma once
 
+#include <utility>
+
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -47,6 +49,13 @@ struct ForwardKernel {
   static_assert(kSharedStorageBytes <= Traits::kSmemBudget, "tile configuration exceeds shared memory");
 };
 
+//! One pipeline per consumer warpgroup over its storage in `storage` (index_sequence I).
+template <class Pipeline, class Storage, size_t... I>
+CUTE_DEVICE cute::array<Pipeline, sizeof...(I)> make_pipelines(
+    Storage& storage, typename Pipeline::Params const& params, std::index_sequence<I...>) {
+  return {{Pipeline(storage[I], params, Shape<_1, _1, _1>{})...}};
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     forward_kernel(CUTE_GRID_CONSTANT typename ForwardKernel<Traits>::Params const params) {
@@ -80,6 +89,19 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   pipeline_params.num_consumers = Traits::kNumConsumerThreads;
   PipelineKV pipeline_k(mainloop_storage.pipeline_k, pipeline_params, Shape<_1, _1, _1>{});
   PipelineKV pipeline_v(mainloop_storage.pipeline_v, pipeline_params, Shape<_1, _1, _1>{});
+  // The bias tiles' pipelines: the producer warpgroup's second warp loads, each consumer
+  // warpgroup reads its own.
+  using PipelineBias = typename Mainloop::PipelineBias;
+  constexpr int kBiasLoaderThread = 32;
+  typename PipelineBias::Params bias_pipeline_params;
+  bias_pipeline_params.transaction_bytes = Traits::kBiasRowsBytes;
+  bias_pipeline_params.role = is_producer ? PipelineBias::ThreadCategory::Producer
+                                          : PipelineBias::ThreadCategory::Consumer;
+  bias_pipeline_params.is_leader = threadIdx.x == kBiasLoaderThread;
+  bias_pipeline_params.num_consumers = kThreadsPerWarpGroup;
+  auto pipeline_bias = make_pipelines<PipelineBias>(
+      mainloop_storage.pipeline_bias, bias_pipeline_params,
+      std::make_index_sequence<Traits::kNumConsumerWarpGroups>{});
   __syncthreads();  // barrier initialisation visible to every thread
 
   StaticPersistentScheduler scheduler(params.scheduler);
@@ -88,6 +110,25 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     // One thread issues every TMA load; with segment ids or a mask array its whole warp builds
     // each tile's TileInfo (a warp collective).
     constexpr bool kWarpBuildsTileInfo = Traits::kSegments || Traits::kBlockClasses;
+    if (Traits::kBiasInTiles && params.mainloop.bias_in_tiles && threadIdx.x / 32 == 1) {
+      // The bias loader: every tile's bias rows, on its own (its warp builds each TileInfo).
+      auto write_bias = cutlass::make_producer_start_state<PipelineBias>();
+      for (; scheduler.valid(); scheduler.advance()) {
+        const TileInfo info(params.problem, scheduler.coord());
+        if (threadIdx.x == kBiasLoaderThread && !info.empty()) {
+          Mainloop::load_bias(params.mainloop, params.problem, mainloop_storage,
+                              pipeline_bias.data(), write_bias, info);
+        }
+        __syncwarp();
+      }
+      if (threadIdx.x == kBiasLoaderThread) {
+        for (auto& pipeline : pipeline_bias) {
+          auto tail = write_bias;
+          pipeline.producer_tail(tail);
+        }
+      }
+      return;
+    }
     if (threadIdx.x >= (kWarpBuildsTileInfo ? 32 : 1)) return;
     const bool loader = threadIdx.x == 0;
     PipelineState write_state = cutlass::make_producer_start_state<PipelineKV>();
@@ -119,6 +160,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     const int consumer_warp_group = warp_group - 1;
     typename Traits::TiledMmaPV mma_pv;
     PipelineState read_state;
+    typename Mainloop::StateBias read_bias;
     uint32_t q_full_phase = 0;
     auto release_q = [&] {
       if constexpr (!Traits::kOutputAliasesQuery) mainloop_storage.q_empty.arrive();
@@ -131,8 +173,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       typename Traits::Softmax softmax;
       if (!info.empty()) {
         Mainloop::mma(params.mainloop, params.problem, mainloop_storage, pipeline_k, pipeline_v,
-                      read_state, q_full_phase, info, consumer_warp_group, thread_idx, tOrO,
-                      softmax, release_q);
+                      read_state, q_full_phase, pipeline_bias.data(), read_bias, info,
+                      consumer_warp_group, thread_idx, tOrO, softmax, release_q);
       } else {
         mainloop_storage.q_full.wait(q_full_phase);  // the producer's turn for this tile
         release_q();

@@ -125,6 +125,32 @@ struct ForwardKernelTraits {
   using TmaStoreO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorSeq{}, SmemLayoutO{},
                                            OutputTileShape{}, _1{}));
 
+  // A bias that keeps the query and key axes reaches each consumer warpgroup by TMA, its 64
+  // rows of a key block at a time, where shared memory holds that beside the rest (not at
+  // head dim 256, whose K/V stages fill it). The tile lies as in memory, (keys, queries) with
+  // keys contiguous; the consumers read it as (queries, keys) into the S accumulator layout
+  // with ldmatrix.
+  static constexpr int kBiasRowsBytes = 64 * kBlockN * int(sizeof(Element));
+  static constexpr bool kBiasInTiles =
+      kBias && (kOutputAliasesQuery ? 1 : 2) * kQBytes + 2 * kKVBytes +
+                       kNumConsumerWarpGroups * kBiasRowsBytes + 1024 <=
+                   kSmemBudget;
+  using SmemLayoutBiasRows = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::MN, Element, Int<kBlockN>,
+                                                          _64>(),
+      Shape<Int<kBlockN>, _64>{}));
+  using SmemCopyAtomBias = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
+  //! S = Q K^T of one consumer warpgroup: its part of TiledMmaQK's accumulators.
+  using MmaQKOneWarpGroup = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>()));
+  using GmemTensorBias = typename LogitTensor<Element>::Type;
+  using ShapeBias = typename LogitTensor<Element>::Shape;
+  using TmaLoadBias = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorBias{}, SmemLayoutBiasRows{},
+                                             Shape<Int<kBlockN>, _64>{}, _1{}));
+  //! One tile in flight per consumer warpgroup: each frees its rows of a key block as soon as
+  //! it added them, a whole key block before it needs the next.
+  using PipelineBias = cutlass::PipelineTmaAsync<1>;
+
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
 };

@@ -48,6 +48,8 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   mainloop.scale_log2 = kernel_scale(p) * kLog2e;
   mainloop.softcap = kernel_softcap(p);
   mainloop.bias_units = bias_units<Traits>(p);
+  mainloop.bias_in_tiles = Traits::kBiasInTiles && moves_in_tiles<Element>(p.bias);
+  if (mainloop.bias_in_tiles) mainloop.bias = logit_tensor<Element>(p.bias, s.batch);
   kp.mainloop = Kernel::Mainloop::to_params(mainloop);
 
   typename Kernel::Epilogue::Arguments epilogue;

@@ -44,6 +44,10 @@ struct ForwardMainloop {
     float scale_log2;                          //!< softmax scale times log2(e), > 0
     LogitSoftcap softcap;                      //!< used when Traits::kSoftcap
     float bias_units;                          //!< the bias's factor (bias_units())
+    //! With Traits::kBiasInTiles: whether TMA reads the bias in tiles (moves_in_tiles), and
+    //! the bias as TMA sees it.
+    bool bias_in_tiles;
+    typename Traits::GmemTensorBias bias;
   };
 
   struct Params {
@@ -55,6 +59,9 @@ struct ForwardMainloop {
     float scale_log2;
     LogitSoftcap softcap;
     float bias_units;
+    bool bias_in_tiles;
+    typename Traits::TmaLoadBias tma_load_bias;
+    typename Traits::ShapeBias shape_bias;
   };
 
   static Params to_params(Arguments const& args) {
@@ -76,17 +83,37 @@ struct ForwardMainloop {
     params.scale_log2 = args.scale_log2;
     params.softcap = args.softcap;
     params.bias_units = args.bias_units;
+    params.bias_in_tiles = Traits::kBiasInTiles && args.bias_in_tiles;
+    if constexpr (Traits::kBiasInTiles) {
+      if (params.bias_in_tiles) {
+        params.tma_load_bias = make_tma_copy(SM90_TMA_LOAD{}, args.bias,
+                                             typename Traits::SmemLayoutBiasRows{},
+                                             Shape<Int<Traits::kBlockN>, _64>{}, _1{});
+        params.shape_bias = args.bias.shape();
+      }
+    }
     return params;
   }
+
+  using PipelineBias = typename Traits::PipelineBias;
+  using StateBias = cutlass::PipelineState<1>;
+  static constexpr int kBiasRowsElements = cosize_v<typename Traits::SmemLayoutBiasRows>;
+  struct BiasRows {
+    cute::array_aligned<Element, kBiasRowsElements * kNumConsumerWarpGroups, 1024> rows;
+  };
+  struct NoBiasRows {};
 
   struct alignas(1024) SharedStorage {
     cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutKV>, 1024> k;
     cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutKV>, 1024> v;
+    //! Each consumer warpgroup's rows of a key block's bias (Traits::kBiasInTiles).
+    std::conditional_t<Traits::kBiasInTiles, BiasRows, NoBiasRows> bias;
     cutlass::arch::ClusterTransactionBarrier q_full;
     cutlass::arch::ClusterBarrier q_empty;
     typename PipelineKV::SharedStorage pipeline_k;
     typename PipelineKV::SharedStorage pipeline_v;
+    cute::array<typename PipelineBias::SharedStorage, kNumConsumerWarpGroups> pipeline_bias;
   };
 
   struct Absent {};
@@ -152,6 +179,42 @@ struct ForwardMainloop {
     cute::prefetch_tma_descriptor(params.tma_load_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_load_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_load_v.get_tma_descriptor());
+    if (params.bias_in_tiles) {
+      cute::prefetch_tma_descriptor(params.tma_load_bias.get_tma_descriptor());
+    }
+  }
+
+  //! The bias loader (one thread; Traits::kBiasInTiles and params.bias_in_tiles): each consumer
+  //! warpgroup's 64 rows of every visited key block's bias, in the consumers' order, through
+  //! that warpgroup's pipeline. Apart from the K/V loader, so that neither waits on the other.
+  CUTE_DEVICE static void load_bias(Params const& params, AttentionProblem const& problem,
+                                    SharedStorage& storage, PipelineBias* pipeline_bias,
+                                    StateBias& write_bias, TileInfo const& info) {
+    if constexpr (Traits::kBiasInTiles) {
+      Tensor mBias = params.tma_load_bias.get_tma_tensor(params.shape_bias);
+      const int32_t bias_head = problem.bias.head_stride == 0 ? 0 : info.coord.head;
+      const int32_t bias_item = problem.bias.batch(problem.batch, info.coord.batch);
+      // (keys, 64 queries) blocks: (kBlockN, 64, key block, query block of 64 rows)
+      Tensor gBias = local_tile(mBias(_, _, bias_head, bias_item),
+                                Shape<Int<Traits::kBlockN>, _64>{}, make_coord(_, _));
+      auto tma = params.tma_load_bias.get_slice(_0{});
+      Tensor tBgB = tma.partition_S(gBias);  // (TMA, TMA_N, TMA_M, n, m64)
+      // Not unrolled: the producer has few registers.
+      CUTE_NO_UNROLL
+      for (int32_t n_block = info.keys.end - 1; n_block >= info.keys.begin; --n_block) {
+        if (info.key_block_class(problem, n_block) == MaskBlock::kEmpty) continue;
+        CUTE_NO_UNROLL
+        for (int wg = 0; wg < kNumConsumerWarpGroups; ++wg) {
+          Tensor sBias = make_tensor(make_smem_ptr(storage.bias.rows.data() + wg * kBiasRowsElements),
+                                     typename Traits::SmemLayoutBiasRows{});
+          pipeline_bias[wg].producer_acquire(write_bias);
+          copy(params.tma_load_bias.with(*pipeline_bias[wg].producer_get_barrier(write_bias), 0),
+               tBgB(_, _, _, n_block, info.coord.block * kNumConsumerWarpGroups + wg),
+               tma.partition_D(sBias));
+        }
+        ++write_bias;
+      }
+    }
   }
 
   //! Producer (one thread): Q of the tile and every visible K/V block, into the pipelines.
@@ -265,6 +328,7 @@ struct ForwardMainloop {
   CUTE_DEVICE static void mma(Params const& params, AttentionProblem const& problem,
                               SharedStorage& storage, PipelineKV& pipeline_k,
                               PipelineKV& pipeline_v, PipelineState& read_state, uint32_t q_phase,
+                              PipelineBias* pipeline_bias, StateBias& read_bias,
                               TileInfo const& info, int warp_group, int thread_idx,
                               TensorO& tOrO, typename Traits::Softmax& softmax,
                               ReleaseQ&& release_q) {
@@ -288,6 +352,35 @@ struct ForwardMainloop {
     const RowVisibility visibility = RowVisibility::of</*kRowsAreKeys=*/false>(problem, info.lens);
     const SegmentAxes</*kRowsAreKeys=*/false> segments{problem, info.coord.batch};
 
+    // The warpgroup's rows of a key block's bias from its tile: (queries, keys) over the tile's
+    // (keys, queries) layout, into the S accumulator layout with ldmatrix, a slice at a time.
+    auto add_bias_rows = [&] {
+      if constexpr (Traits::kBiasInTiles) {
+        Tensor sBias = make_tensor(
+            make_smem_ptr(storage.bias.rows.data() + warp_group * kBiasRowsElements),
+            composition(typename Traits::SmemLayoutBiasRows{},
+                        make_ordered_layout(Shape<_64, Int<Traits::kBlockN>>{}, Step<_2, _1>{})));
+        auto copy_bias = make_tiled_copy_C(typename Traits::SmemCopyAtomBias{},
+                                           typename Traits::MmaQKOneWarpGroup{});
+        auto thr_copy_bias = copy_bias.get_thread_slice(thread_idx % kThreadsPerWarpGroup);
+        Tensor tSsBias = thr_copy_bias.partition_S(sBias);  // (CPY, CPY_M, CPY_N)
+        Tensor tSrS_copy = thr_copy_bias.retile_D(tSrS);     // the same view of S
+        pipeline_bias[warp_group].consumer_wait(read_bias);
+        CUTE_UNROLL
+        for (int n = 0; n < size<2>(tSrS_copy); ++n) {
+          Tensor bias_slice = make_fragment_like<Element>(tSrS_copy(_, _, n));
+          copy(copy_bias, tSsBias(_, _, n), bias_slice);
+          Tensor s_slice = tSrS_copy(_, _, n);
+          CUTE_UNROLL
+          for (int i = 0; i < size(bias_slice); ++i) {
+            s_slice(i) = fmaf(float(bias_slice(i)), params.bias_units, s_slice(i));
+          }
+        }
+        pipeline_bias[warp_group].consumer_release(read_bias);
+        ++read_bias;
+      }
+    };
+
     const typename Traits::Logits scaled{params.scale_log2};
     // S of key block n_block into probabilities: the cap, then the bias, before masking,
     // since masked logits must end at -inf, then the softmax step. A warp whose products fit
@@ -304,9 +397,13 @@ struct ForwardMainloop {
         }
       }
       if constexpr (Traits::kBias) {
-        mask.add_bias(s, info.bias, problem.bias.row_stride, problem.bias.col_stride,
-                      problem.bias.paired, params.bias_units, info.m_start(), problem.seqlen_q,
-                      n_block * Traits::kBlockN, problem.seqlen_k);
+        if (params.bias_in_tiles) {
+          add_bias_rows();
+        } else {
+          mask.add_bias(s, info.bias, problem.bias.row_stride, problem.bias.col_stride,
+                        problem.bias.paired, params.bias_units, info.m_start(),
+                        problem.seqlen_q, n_block * Traits::kBlockN, problem.seqlen_k);
+        }
       }
       mask.apply_block(s, visibility,
                        Range::needs_mask</*kMaskQueryTail=*/false>(problem, info.lens,
@@ -330,9 +427,10 @@ struct ForwardMainloop {
     auto issue_qk = [&](PipelineState const& state) {
       warpgroup_gemm</*kZeroInit=*/true, /*kWaitGroups=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), tSrS);
     };
-    // The bias of a block is fetched into L1 while its S is computed.
+    // The bias of a block is fetched into L1 while its S is computed (read from memory).
     auto prefetch_bias = [&](int n_block) {
       if constexpr (Traits::kBias) {
+        if (params.bias_in_tiles) return;
         mask.prefetch_bias(info.bias, problem.bias.row_stride, problem.bias.col_stride,
                            info.m_start(), problem.seqlen_q, n_block * Traits::kBlockN,
                            problem.seqlen_k);
