@@ -3,7 +3,10 @@
            shared storage; the producer's TMA loads of Q and of the K/V pipeline; the consumers'
            QK^T -> soft-cap or bias (optional) -> mask -> online softmax -> PV sequence. With
            segment ids, a tile visits only the key blocks its rows' segments reach; with a mask
-           or bias array, only the key blocks its block classes leave non-empty.
+           or bias array, only the key blocks its block classes leave non-empty. A bias that
+           keeps the query and key axes comes by TMA (each consumer warpgroup's 64 rows of a
+           key block through a pipeline of its own, loaded by a second producer warp), read
+           with ldmatrix; another is read from global memory in pairs of keys.
 
     Consumers overlap within a warpgroup: while the softmax of key block j runs, the wgmma of
     P_{j+1} V_{j+1} (issued just before) proceeds on the tensor cores. Across warpgroups they
