@@ -182,7 +182,7 @@ struct ForwardMainloop {
     cute::prefetch_tma_descriptor(params.tma_load_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_load_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_load_v.get_tma_descriptor());
-    if (params.bias_in_tiles) {
+    if (Traits::kBiasInTiles && params.bias_in_tiles) {
       cute::prefetch_tma_descriptor(params.tma_load_bias.get_tma_descriptor());
     }
   }
@@ -400,7 +400,7 @@ struct ForwardMainloop {
         }
       }
       if constexpr (Traits::kBias) {
-        if (params.bias_in_tiles) {
+        if (Traits::kBiasInTiles && params.bias_in_tiles) {
           add_bias_rows();
         } else {
           mask.add_bias(s, info.bias, problem.bias.row_stride, problem.bias.col_stride,
@@ -433,7 +433,7 @@ struct ForwardMainloop {
     // The bias of a block is fetched into L1 while its S is computed (read from memory).
     auto prefetch_bias = [&](int n_block) {
       if constexpr (Traits::kBias) {
-        if (params.bias_in_tiles) return;
+        if (Traits::kBiasInTiles && params.bias_in_tiles) return;
         mask.prefetch_bias(info.bias, problem.bias.row_stride, problem.bias.col_stride,
                            info.m_start(), problem.seqlen_q, n_block * Traits::kBlockN,
                            problem.seqlen_k);
