@@ -22,11 +22,14 @@ struct KernelFeatures {
   //! The combinations of two or more features taken together (kernel_configs.json
   //! "feature_combinations"); zero entries are unused.
   unsigned combinations[kFeatureSets] = {};
+  //! Features taken only beside a mask or bias array (another tile runs them without).
+  unsigned only_with_arrays = 0;
 
   //! Whether kernels are compiled for calls that use exactly the features in `set`: none,
   //! one of `features`, or a listed combination.
   constexpr bool compiles(unsigned set) const {
     if ((set & ~features) != 0) return false;
+    if ((set & only_with_arrays) != 0 && (set & (kMaskBit | kBiasBit)) == 0) return false;
     if ((set & (set - 1)) == 0) return true;  // none or one feature
     for (unsigned combination : combinations) {
       if (combination == set) return true;
@@ -41,6 +44,13 @@ struct KernelFeatures {
     for (unsigned& combination : result.combinations) {
       if (combination & (kMaskBit | kBiasBit)) combination = 0;
     }
+    return result;
+  }
+
+  //! The same with `bits` taken only beside a mask or bias array.
+  constexpr KernelFeatures with_arrays_only(unsigned bits) const {
+    KernelFeatures result = *this;
+    result.only_with_arrays |= bits;
     return result;
   }
 };

@@ -81,6 +81,16 @@ constexpr bool is_default_forward_tile(int head_dim, int block_m) {
   return false;
 }
 
+//! Whether a compiled forward tile of `head_dim` prefers problems with segment ids: its head
+//! dim's default then runs segment ids only beside a mask or bias array.
+constexpr bool forward_tile_prefers_segment_ids(int head_dim) {
+#define JAX_FLASH_PREFERS_SEGMENT_IDS(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO) \
+  if (HEAD_DIM == head_dim && SEGMENT_IDS) return true;
+  JAX_FLASH_SM90_FORWARD_TILES(JAX_FLASH_PREFERS_SEGMENT_IDS)
+#undef JAX_FLASH_PREFERS_SEGMENT_IDS
+  return false;
+}
+
 //! Runs the forward on a compiled tile of the smallest head dim that covers the problem's: the
 //! first of that head dim whose preference the problem meets, else its default (see
 //! kernel_configs.json); problems with a mask or bias array always on the default, the tile

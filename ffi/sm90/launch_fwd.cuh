@@ -84,15 +84,22 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
                        Kernel::kSharedStorageBytes, kp, context, "forward");
 }
 
-//! Mask and bias arrays run on each head dim's default tile, for which Python classifies the
-//! mask's blocks (one instantiation each instead of one per tile).
-inline constexpr KernelFeatures kForwardFeaturesOffDefaultTile = kForwardFeatures.without_arrays();
+//! The feature sets a forward tile is instantiated for: the routing of RunForward (dispatch.cc)
+//! reaches no others. Mask and bias arrays run on each head dim's default tile, for which Python
+//! classifies the arrays' blocks (one instantiation each instead of one per tile); segment ids
+//! without them, on a tile that prefers them where there is one.
+template <int kTileHeadDim, int kTileBlockM>
+inline constexpr KernelFeatures kForwardTileFeatures =
+    !is_default_forward_tile(kTileHeadDim, kTileBlockM)
+        ? kForwardFeatures.without_arrays()
+    : forward_tile_prefers_segment_ids(kTileHeadDim)
+        ? kForwardFeatures.with_arrays_only(kSegmentIdsBit)
+        : kForwardFeatures;
 
 template <ElementType kDtype, int kTileHeadDim, int kTileBlockM>
 Status RunForwardTile(const ForwardParams& params, const LaunchContext& context) {
   using Element = typename CutlassElement<kDtype>::type;
-  constexpr bool kDefault = is_default_forward_tile(kTileHeadDim, kTileBlockM);
-  return with_features<kDefault ? kForwardFeatures : kForwardFeaturesOffDefaultTile>(
+  return with_features<kForwardTileFeatures<kTileHeadDim, kTileBlockM>>(
       params, [&](auto softcap, auto segments, auto mask, auto bias) {
         return launch_forward<ForwardKernelTraits<Element, kTileHeadDim, kTileBlockM,
                                                   decltype(softcap)::value,
