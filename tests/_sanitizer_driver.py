@@ -8,16 +8,17 @@ Cases, for each compiled head dim: causal and not, a local window, ragged query 
 lengths (zero and past the end included), mostly empty batch items over a grid where every CTA walks
 several tiles, grouped-query heads, sizes that are not multiples of any tile, every compiled dtype,
 the backward's ordered (deterministic) dQ reduction, logit soft-capping (its own instantiation of
-each tile; causal, ragged) and segment ids (sorted and not; their own instantiations, with and
-without soft-capping) and mask arrays (their own instantiations on each head dim's default tile:
-empty, full and partial blocks, per head with grouped heads, and soft-capped under the ordered dQ
-reduction, which visits the empty ones) and bias arrays (their own instantiations on the default
-tiles: per head and batch item with grouped heads and odd key counts, read element by element;
-broadcast over queries, read in pairs; patches of the lowest value and -inf, whose blocks are
-skipped, under the ordered dQ reduction, which visits them, with odd key counts and 16-byte rows
-by turns (the classes kernel's two ways of reading a block); their gradient, element by element and
-summed over the queries), and the pairs of these the kernels combine (a bias with a mask, whose
-classes the kernels read alone; a bias or a mask with segment ids).
+each tile; causal, ragged; and Gemma 2's cap over unit-scale logits, the forward's series bound) and
+segment ids (sorted and not; their own instantiations, with and without soft-capping) and mask
+arrays (their own instantiations on each head dim's default tile: empty, full and partial blocks,
+per head with grouped heads, and soft-capped under the ordered dQ reduction, which visits the empty
+ones) and bias arrays (their own instantiations on the default tiles: per head and batch item with
+grouped heads and odd key counts, read element by element; broadcast over queries, read in pairs;
+patches of the lowest value and -inf, whose blocks are skipped, under the ordered dQ reduction,
+which visits them, with odd key counts and 16-byte rows by turns (the classes kernel's two ways of
+reading a block); their gradient, element by element and summed over the queries), and the pairs of
+these the kernels combine (a bias with a mask, whose classes the kernels read alone; a bias or a
+mask with segment ids).
 A head dim with several forward tiles runs its causal, segment-id and few-row cases (decoding
 among them) on the tile that prefers them (kernel_configs.json) and the others on its default.
 Each case also runs the gradients (the backward's kernels). Every output and gradient is
@@ -68,6 +69,10 @@ def cases():
     if "softcap" in _config.SM90_FORWARD.features | _config.SM90_BACKWARD.features:
       yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=True, window=None,
                  lengths="ragged", softcap=2.0)
+      # Gemma 2's cap over unit-scale logits: the short series, and in bfloat16 its bound in
+      # place of the row maxima in the blocks that mask nothing.
+      yield dict(H=H, dtype=dtypes[0], is_causal=False, window=None, lengths=None,
+                 softcap=50.0)
     if "segment_ids" in _config.SM90_FORWARD.features | _config.SM90_BACKWARD.features:
       # Sorted ids (exact spans: blocks skipped, per-row ranges), and unsorted ids (compared
       # pair by pair) with soft-capping and the ordered dQ reduction.

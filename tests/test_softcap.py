@@ -338,27 +338,104 @@ def test_gpu_kernels_with_a_bias(platform, H, name):
     check_gradients(case, platform, through_lse=True)
 
 
-@with_platform("platform,outliers", platform_params([], [False, True]))
-def test_gpu_kernels_series_form(platform, outliers):
+# The forms of softcap.h by the reach of |scaled logit| / cap in which each holds (the short
+# series up to 0.14, the series up to 0.5, the exp form beyond), and cases that give each warp
+# one of them: the cap over the largest ordinary logit, the factor that scales the outlier
+# rows' queries (1: none), and the forms the warps take.
+SERIES_REACH = {"short series": 0.14, "series": 0.5}
+SERIES_FORM_CASES = {
+    "series": (2.2, 1.0, {"series"}),
+    "series-and-exp": (2.2, 4.0, {"series", "exp"}),
+    "short-series": (7.5, 1.0, {"short series"}),
+    "short-and-long-series": (7.5, 2.5, {"short series", "series"}),
+    "short-series-and-exp": (7.5, 6.0, {"short series", "exp"}),
+}
+
+
+def _cap_form(largest, cap):
+  for form, reach in SERIES_REACH.items():
+    if largest <= reach * cap:
+      return form
+  return "exp"
+
+
+@with_platform("platform,name", platform_params([], list(SERIES_FORM_CASES)))
+def test_gpu_kernels_series_form(platform, name):
   """The kernels cap a warp's logits of a block with an odd polynomial when all of them lie
-  within half the cap, else with exp and a reciprocal (softcap.h). The cap here is just over
-  twice the largest logit, so every warp takes the polynomial while the cap still lowers the
-  row maxima, which rule the softmax, by 3 to 6% (one to two logit units). With outliers the queries of
-  rows 128-191 are four times larger: the warps and backward steps holding them take the other
-  form, beside ones that do not, in the same kernels."""
+  within half the cap (a shorter one within 0.14 of it), else with exp and a reciprocal
+  (softcap.h). The cap here is 2.2 or 7.5 times the largest logit, so that every warp takes
+  the series or the short one, while the cap still lowers the row maxima, which rule the
+  softmax (by 3 to 6% under the first). With outliers the queries of rows 128-191 are
+  scaled up: the warps and backward steps holding them take a longer form, beside ones that
+  do not, in the same kernels."""
+  cap_over_largest, outlier_factor, want_forms = SERIES_FORM_CASES[name]
   case = Case(B=2, T=300, S=300, N=2, H=128, dtype=_config.GPU_DTYPES[-1].name, is_causal=True,
               std=STD)
   inp = make_inputs(case)
-  ordinary = np.abs(scaled_logits(case, inp)).max()
-  if outliers:
+  ordinary = float(np.abs(scaled_logits(case, inp)).max())
+  case = case.replace(softcap=cap_over_largest * ordinary)
+  forms = {_cap_form(ordinary, case.softcap)}
+  if outlier_factor != 1.0:
     q = inp.q.astype(np.float64)
-    q[:, 128:192] *= 4
+    q[:, 128:192] *= outlier_factor
     inp = dataclasses.replace(inp, q=q.astype(inp.q.dtype))
-  case = case.replace(softcap=2.2 * float(ordinary))
-  largest = np.abs(scaled_logits(case, inp)).max()
-  assert (largest > case.softcap / 2) == outliers
+    outlying = float(np.abs(scaled_logits(case, inp)[:, :, 128:192]).max())
+    forms.add(_cap_form(outlying, case.softcap))
+  assert forms == want_forms
   check_forward(case, platform, inp=inp)
   check_gradients(case, platform, inp=inp, through_lse=True)
+
+
+@with_platform("platform,H", platform_params([], _gpu_head_dims()))
+def test_gpu_gemma_cap_over_unit_logits(platform, H):
+  """Gemma 2's cap (50) over unit-scale logits, as the benchmarks run it: every warp takes the
+  short series, and in bfloat16 the blocks off the diagonal take its bound for the row maxima
+  (softmax.h's BlockBound) while the diagonal's reduce them; causal, with grouped heads, over
+  several key blocks, in each dtype."""
+  for dtype in _config.GPU_DTYPES:
+    case = Case(B=2, T=400, S=400, N=4, K=2, H=H, dtype=dtype.name, is_causal=True,
+                softcap=50.0)
+    check_forward(case, platform)
+    check_gradients(case, platform, through_lse=True)
+
+
+# Logits that the forward's bound on a series block (softmax.h's BlockBound, softcap.h) lies
+# far above: each key is a shared direction u plus noise, each query row +-alpha u, so that a
+# row's logits lie near +-`level` times the cap (a tenth within it) with alternating signs.
+# In a block that masks nothing a bfloat16 kernel takes the capped largest |logit| of the quad's
+# rows as their maxima: the negative rows' maxima lie about 48 (the series) and 14 (the short
+# one) below it in log2 units, their largest P near 2^-48 and 2^-14. float16 kernels reduce
+# the maxima. Key counts of whole blocks (every block bounded) and not (the last, visited
+# first, is masked by lengths).
+BOUND_LEVELS = {"short-series": 0.1, "series": 0.36}
+
+
+@with_platform("platform,name,S",
+               [pytest.param("gpu", name, S, marks=pytest.mark.gpu, id=f"gpu-{name}-S{S}")
+                for name in BOUND_LEVELS for S in (256, 300)])
+def test_gpu_series_bound_far_above_the_rows(platform, name, S):
+  """Exact results where the forward takes a series' bound for the row maxima, with the rows'
+  true maxima far below it (BOUND_LEVELS), in each dtype."""
+  level = BOUND_LEVELS[name]
+  cap = 50.0
+  for dtype in _config.GPU_DTYPES:
+    case = Case(B=2, T=200, S=S, N=2, H=128, dtype=dtype.name, softcap=cap)
+    rng = np.random.default_rng(7)
+    u = rng.standard_normal(case.H)
+    u /= np.linalg.norm(u)
+    k = u + 0.1 * rng.standard_normal((case.B, S, case.N, case.H))
+    signs = np.where(np.arange(case.T) % 2 == 0, 1.0, -1.0)[None, :, None, None]
+    alpha = level * cap * np.sqrt(case.H)
+    q = signs * alpha * u + 0.01 * rng.standard_normal((case.B, case.T, case.N, case.H))
+    inp = dataclasses.replace(make_inputs(case), q=q.astype(np_dtype(dtype.name)),
+                              k=k.astype(np_dtype(dtype.name)))
+    largest = float(np.abs(scaled_logits(case, inp)).max())
+    # Within the series' reach (half the cap, 0.14 of it for the short one), and bounded in
+    # log2 units by 40 (kBoundLog2Limit).
+    assert _cap_form(largest, cap) == name.replace("-", " ")
+    assert cap * np.tanh(largest / cap) * np.log2(np.e) <= 40
+    check_forward(case, platform, inp=inp)
+    check_gradients(case, platform, inp=inp, through_lse=True)
 
 
 # --- Flax ----------------------------------------------------------------------------------------

@@ -40,6 +40,8 @@ struct ForwardMainloop {
   using PipelineState = typename Traits::PipelineState;
   using Range = BlockRange<Traits::kBlockM, Traits::kBlockN>;
   static constexpr int kNumConsumerWarpGroups = Traits::kNumConsumerWarpGroups;
+  //! Whether P's dtype keeps probabilities exact down to 2^-80 (BlockBound).
+  static constexpr bool kPBoundable = std::is_same_v<Element, cutlass::bfloat16_t>;
 
   struct Arguments {
     typename Traits::GmemTensorSeq q, k, v;
@@ -387,15 +389,18 @@ struct ForwardMainloop {
     const typename Traits::Logits scaled{params.scale_log2};
     // S of key block n_block into probabilities: the cap, then the bias, before masking,
     // since masked logits must end at -inf, then the softmax step. A warp whose products fit
-    // the cap's series leaves them raw and caps them in the softmax's exponent, unless a bias
-    // is added to the capped logits; otherwise the cap leaves them in log2 units.
+    // one of the cap's series leaves them raw and caps them in the softmax's exponent, unless a
+    // bias is added to the capped logits; otherwise the cap leaves them in log2 units. In a
+    // block that masks nothing, the series' bound on the capped logits stands in for the row
+    // maxima where P is bfloat16 (BlockBound: float16 would lose the exactness of P at the
+    // bound's distance from them).
     auto softmax_step = [&](auto first, int n_block, MaskBlock cls) {
-      [[maybe_unused]] bool series = false;
+      [[maybe_unused]] CappedBlock capped{CapForm::kExp, 0.f};
       if constexpr (Traits::kSoftcap && Traits::kBias) {
         params.softcap.template apply<kSoftcapReciprocalOnFma<Traits::kHeadDim>>(s);
       } else if constexpr (Traits::kSoftcap) {
-        series = params.softcap.fits_series(s);
-        if (!series) {
+        capped = params.softcap.form(s);
+        if (capped.form == CapForm::kExp) {
           params.softcap.template apply_exp_form<kSoftcapReciprocalOnFma<Traits::kHeadDim>>(s);
         }
       }
@@ -408,11 +413,13 @@ struct ForwardMainloop {
                         problem.seqlen_q, n_block * Traits::kBlockN, problem.seqlen_k);
         }
       }
-      mask.apply_block(s, visibility,
-                       Range::needs_mask</*kMaskQueryTail=*/false>(problem, info.lens,
-                                                                   info.coord.block, n_block),
-                       info.segments, segments, info.m_start(), n_block * Traits::kBlockN);
+      bool masked = mask.apply_block(
+          s, visibility,
+          Range::needs_mask</*kMaskQueryTail=*/false>(problem, info.lens, info.coord.block,
+                                                      n_block),
+          info.segments, segments, info.m_start(), n_block * Traits::kBlockN);
       if constexpr (Traits::kMask) {
+        masked |= cls != MaskBlock::kFull;
         if (cls != MaskBlock::kFull) {
           mask.apply_mask_array(s, info.mask.bits, problem.mask.row_stride,
                                 problem.mask.words_per_row, info.m_start(), problem.seqlen_q,
@@ -421,7 +428,16 @@ struct ForwardMainloop {
       }
       constexpr bool kFirst = decltype(first)::value;
       if constexpr (Traits::kSoftcap) {
-        if (series) return softmax.template step<kFirst>(s, params.softcap.series);
+        const bool rows_visible = kPBoundable && !masked;
+        if (capped.form == CapForm::kShortSeries) {
+          return softmax.template step<kFirst>(
+              s, params.softcap.short_series,
+              params.softcap.short_series.bound(capped.largest, rows_visible));
+        }
+        if (capped.form == CapForm::kSeries) {
+          return softmax.template step<kFirst>(
+              s, params.softcap.series, params.softcap.series.bound(capped.largest, rows_visible));
+        }
         return softmax.template step<kFirst>(s, Log2Logits{});
       } else {
         return softmax.template step<kFirst>(s, scaled);

@@ -103,20 +103,22 @@ struct BlockMask {
   //! Masks one block, whose first row and column are row_start and col_start: by lengths and
   //! windows where `cut_by_window` (BlockRange::needs_mask), and by segment ids unless `reach`
   //! (a SegmentReach over the rows, or NoSegmentReach) says that every column of the block
-  //! shares every row's segment. Blocks that need neither are left alone.
+  //! shares every row's segment. Blocks that need neither are left alone; returns whether
+  //! the block needed either.
   template <bool kRowsAreKeys, class TensorS, class Reach>
-  CUTE_DEVICE void apply_block(TensorS& s, RowVisibility const& vis, bool cut_by_window,
+  CUTE_DEVICE bool apply_block(TensorS& s, RowVisibility const& vis, bool cut_by_window,
                                Reach const& reach, SegmentAxes<kRowsAreKeys> const& segments,
                                int row_start, int col_start) const {
     const bool cut_by_segments =
         !reach.every_covers(col_start, min(col_start + kCols, vis.col_limit));
-    if (!cut_by_segments && !cut_by_window) return;
+    if (!cut_by_segments && !cut_by_window) return false;
     apply(s, vis, row_start, col_start,
           cut_by_segments && reach.exact ? segments.row_spans() : nullptr);
     if (cut_by_segments && !reach.exact) {
       apply_segment_ids(s, segments.row_ids(), row_start, segments.row_extent(),
                         segments.col_ids(), col_start, segments.col_extent());
     }
+    return true;
   }
 
   //! Masks the pairs of a partial block that a mask array drops, from its rows' bits (see

@@ -6,9 +6,15 @@
     (exp2(s * scale * log2 e - ...)). Where a warp's products of a block all lie within half the
     cap (less under caps far above the logits), tanh comes from an odd polynomial on the FMA
     units, with that scaling folded into its coefficients (SeriesCappedLogits): the
-    special-function unit is left to the softmax's exp2, as without the cap. The forward
-    applies it inside the softmax's exponent (a logit map of softmax.h); the backward caps in
-    place. The warp's other blocks take exp and a reciprocal.
+    special-function unit is left to the softmax's exp2, as without the cap. Within 0.14 of the
+    cap a polynomial of three terms is as exact as the five needed up to half of it, and saves
+    two of the FMA units' ops per logit, about a fifth of a capped logit's instructions. The
+    forward applies it inside the softmax's exponent (a logit map of softmax.h); the backward
+    caps in place. The warp's other blocks take exp and a reciprocal. Since a series' map is odd
+    and increasing, the largest |product| of a quad's rows bounds their capped logits from both
+    sides: in blocks that mask nothing, the forward takes that bound for the rows' maxima and
+    saves their reductions (SeriesCappedLogits::bound), as long as P keeps its exactness at the
+    bound's distance from them.
     Capped in place, logits are in log2 units (z * log2 e).
     The backward needs tanh'(x / cap) = 1 - t^2 with t = z / cap where it forms dS; rather than
     keeping a second register tile of t, it recovers t from P and the log-sum-exp:
@@ -23,6 +29,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "softmax.h"
 #include "utils.h"
 
 namespace jax_flash::sm90 {
@@ -58,91 +65,141 @@ CUTE_DEVICE float fast_log2(float x) {
   return y;
 }
 
-//! Raw products within the series' reach, capped and taken to log2 units (a logit map,
+//! Raw products within a series' reach, capped and taken to log2 units (a logit map,
 //! softmax.h): cap * tanh(scale * s / cap) * log2 e = s * P(s^2). P is tanh(y) / y as a
-//! polynomial in y^2, each coefficient times scale * log2 e and its power of
+//! polynomial of kTerms terms in y^2, each coefficient times scale * log2 e and its power of
 //! (y / s)^2 = (scale / cap)^2, so the kernel squares s itself; in the exponent the softmax's
-//! FFMA takes the product with s: six FMA-unit ops per logit in all. A masked -inf gives
+//! FFMA takes the product with s: kTerms + 1 FMA-unit ops per logit in all. A masked -inf gives
 //! P = +inf (its leading coefficient is positive and normal) and an exponent of -inf.
+//! The map is odd and increasing over the reach, so a block's largest |s| bounds its capped
+//! logits from both sides (bound).
+template <int kTerms>
 struct SeriesCappedLogits {
-  float coefficient[5];  //!< P's, the constant term (scale * log2 e) first
+  //! The largest bound, in log2 units, that may stand in for block maxima (softmax.h's
+  //! BlockBound): a row's maximum then lies at most twice this below it, the row's largest
+  //! probability 2^-80 at the least, normal and as exact as ever in bfloat16 and float32 but
+  //! not in float16 (least normal 2^-14).
+  static constexpr double kBoundLog2Limit = 40.0;
+
+  float coefficient[kTerms];  //!< P's, the constant term (about scale * log2 e) first
+  //! Whether the capped logits within the reach stay within kBoundLog2Limit, so that bound may
+  //! stand in for block maxima.
+  bool bounds_maxima;
 
   CUTE_DEVICE float factor(float s) const {
     const float z = s * s;
-    float p = fmaf(coefficient[4], z, coefficient[3]);
-    p = fmaf(p, z, coefficient[2]);
-    p = fmaf(p, z, coefficient[1]);
-    return fmaf(p, z, coefficient[0]);
+    float p = coefficient[kTerms - 1];
+    CUTE_UNROLL
+    for (int k = kTerms - 2; k >= 0; --k) p = fmaf(p, z, coefficient[k]);
+    return p;
   }
   CUTE_DEVICE float log2(float s) const { return s * factor(s); }
   CUTE_DEVICE float exponent(float s, float base) const { return fmaf(s, factor(s), -base); }
+
+  //! The bound on the capped logits of rows whose raw products lie within +-largest (inside
+  //! the reach): log2(largest), whose distance from the rows' maxima is at most twice itself,
+  //! since the map is odd. Known where the series bounds maxima and `rows_visible` (every row
+  //! of the block has a visible key, and P's dtype keeps 2^-80 exact).
+  CUTE_DEVICE BlockBound bound(float largest, bool rows_visible) const {
+    return {bounds_maxima && rows_visible, log2(largest)};
+  }
+};
+
+//! How a warp caps a block: the series it fits, or exp and a reciprocal.
+enum class CapForm { kShortSeries, kSeries, kExp };
+
+//! A block's form, and the largest |raw product| of the rows of the calling thread's quad.
+struct CappedBlock {
+  CapForm form;
+  float largest;
 };
 
 struct LogitSoftcap {
-  //! tanh's argument y = x / cap up to which the odd polynomial serves.
-  static constexpr float kSeriesReach = 0.5f;
+  // tanh(y) / y as polynomials in y^2, minimax fits of relative error 1.3e-8 up to their reach
+  // in |y|. In float32, tanh then errs by at most 6e-8 absolute and 1.1e-7 relative (the
+  // five-term series) and 2e-8 absolute and 1.1e-7 relative (the three-term one).
+  static constexpr double kSeriesReach = 0.5;
+  static constexpr double kSeriesTerms[5] = {1.0, -0.3333306939411152, 0.13324779318868757,
+                                             -0.052986075371308464, 0.01713500679008545};
+  static constexpr double kShortSeriesReach = 0.14;
+  static constexpr double kShortSeriesTerms[3] = {0.999999987460266, -0.3333218075595999,
+                                                  0.13176091335295587};
 
   //! -2 * log2(e) * scale / cap: raw product -> log2 of exp(-2|x| / cap)
   float exp2_per_raw;
-  float two_from_tanh;        //!< 2 * cap * log2 e
-  float from_tanh;            //!< cap * log2 e: tanh -> capped logit in log2 units
-  float tanh_per_log2;        //!< 1 / (cap * log2 e): t from log2 P + lse * log2 e
-  SeriesCappedLogits series;  //!< the map of a warp whose products fit the series
-  float series_limit;         //!< |raw product| up to which the series serves (0: never)
+  float two_from_tanh;                  //!< 2 * cap * log2 e
+  float from_tanh;                      //!< cap * log2 e: tanh -> capped logit in log2 units
+  float tanh_per_log2;                  //!< 1 / (cap * log2 e): t from log2 P + lse * log2 e
+  SeriesCappedLogits<5> series;         //!< the map of a warp whose products fit the series
+  SeriesCappedLogits<3> short_series;   //!< the same for products within the short one's reach
+  float series_limit;                   //!< |raw product| up to which the series serves (0: never)
+  float short_series_limit;             //!< the same for the short series
 
   static LogitSoftcap make(float scale, float cap) {
-    // tanh(y) / y for |y| <= kSeriesReach as a polynomial in y^2: the minimax fit of relative
-    // error 1.3e-8 (degree 9 in y), its constant term 1. In float32, tanh then errs by at most
-    // 6e-8 absolute and 1.1e-7 relative.
-    constexpr double kTanhOverArg[5] = {1.0, -0.3333306939411152, 0.13324779318868757,
-                                        -0.052986075371308464, 0.01713500679008545};
-    const double y_per_raw = double(scale) / cap;
     LogitSoftcap cap_constants{};
     cap_constants.exp2_per_raw = -2.f * kLog2e * scale / cap;
     cap_constants.two_from_tanh = 2.f * cap * kLog2e;
     cap_constants.from_tanh = cap * kLog2e;
     cap_constants.tanh_per_log2 = 1.f / (cap * kLog2e);
-    // Coefficient k is a_k * scale * log2 e * (scale / cap)^(2k). Under a cap far above the
-    // logits' scale the high ones fall below the float range (flushed to 0, a masked logit's
-    // exponent would be 0 * inf); there they are stood in by the least normal float and the
-    // reach shrinks until the dropped term and its stand-in each change the capped logit by at
-    // most 2^-26 relative, so that such caps too are computed by the series (the exp form's
-    // absolute error, about cap * 6e-8 in tanh's units, grows with the cap). Negative scales
-    // and caps whose coefficients overflow take the exp form throughout.
+    cap_constants.series_limit = fit(cap_constants.series, kSeriesTerms, kSeriesReach, scale, cap);
+    cap_constants.short_series_limit = std::min(
+        cap_constants.series_limit,
+        fit(cap_constants.short_series, kShortSeriesTerms, kShortSeriesReach, scale, cap));
+    return cap_constants;
+  }
+
+  //! Stores `series`'s coefficients for this scale and cap and returns the |raw product| up to
+  //! which it serves. Coefficient k is a_k * scale * log2 e * (scale / cap)^(2k). Under a cap
+  //! far above the logits' scale the high ones fall below the float range (flushed to 0, a
+  //! masked logit's exponent would be 0 * inf); there they are stood in by the least normal
+  //! float and the reach shrinks until the dropped term and its stand-in each change the capped
+  //! logit by at most 2^-26 relative, so that such caps too are computed by the series (the exp
+  //! form's absolute error, about cap * 6e-8 in tanh's units, grows with the cap). Negative
+  //! scales and caps whose coefficients overflow take the exp form throughout (0).
+  template <int kTerms>
+  static float fit(SeriesCappedLogits<kTerms>& series, const double (&terms)[kTerms],
+                   double reach, float scale, float cap) {
     constexpr double kLeast = 0x1p-126;
     constexpr double kTermError = 0x1p-26;
+    const double y_per_raw = double(scale) / cap;
     const double leading = double(scale) * kLog2e;
     const double r2 = y_per_raw * y_per_raw;
-    double reach = kSeriesReach;  // in |y|
     bool usable = scale > 0;
     double coefficient = leading;
-    for (int k = 0; k < 5; ++k) {
-      const double exact = kTanhOverArg[k] * coefficient;
-      float& stored = cap_constants.series.coefficient[k];
+    for (int k = 0; k < kTerms; ++k) {
+      const double exact = terms[k] * coefficient;
+      float& stored = series.coefficient[k];
       stored = float(exact);
       if (!std::isfinite(stored)) usable = false;
       if (k > 0 && std::abs(exact) < kLeast) {
-        stored = float(std::copysign(kLeast, kTanhOverArg[k]));
-        const double dropped = std::pow(kTermError / std::abs(kTanhOverArg[k]), 0.5 / k);
+        stored = float(std::copysign(kLeast, terms[k]));
+        const double dropped = std::pow(kTermError / std::abs(terms[k]), 0.5 / k);
         const double stand_in =
             std::abs(y_per_raw) * std::pow(kTermError * leading / kLeast, 0.5 / k);
         reach = std::min(reach, std::min(dropped, stand_in));
       }
       coefficient *= r2;
     }
-    cap_constants.series_limit = usable ? float(reach / std::abs(y_per_raw)) : 0.f;
-    return cap_constants;
+    series.bounds_maxima = usable && double(cap) * std::tanh(reach) * kLog2e <=
+                                         SeriesCappedLogits<kTerms>::kBoundLog2Limit;
+    return usable ? float(reach / std::abs(y_per_raw)) : 0.f;
   }
 
-  //! Whether every raw product of `s` in the calling warp lies within the series' reach, where
-  //! `series` caps them; else apply_exp_form caps `s`. One form per warp and block (a uniform
-  //! branch, no divergence); every thread of the warp must call it.
+  //! The form in which the calling warp caps `s`: a series whose reach holds every raw product
+  //! of `s` in the warp (the short one where it does), else the exp form. One form per warp and
+  //! block (a uniform branch, no divergence); every thread of the warp must call it. The
+  //! limits are exclusive, so that a limit of 0 (never) excludes a block of zeros.
   template <class TensorS>
-  CUTE_DEVICE bool fits_series(TensorS const& s) const {
+  CUTE_DEVICE CappedBlock form(TensorS const& s) const {
     constexpr int kSize = decltype(size(s))::value;
-    // NaN products do not count here (fmaxf drops them); they stay NaN in either form.
-    const float largest = chained_reduce<kSize>([&](int i) { return fabsf(s(i)); }, MaxOp{});
-    return __all_sync(0xffffffffu, largest <= series_limit);
+    // NaN products do not count here (fmaxf drops them); they stay NaN in any form.
+    const float largest = quad_allreduce(
+        chained_reduce<kSize>([&](int i) { return fabsf(s(i)); }, MaxOp{}), MaxOp{});
+    if (__all_sync(0xffffffffu, largest < short_series_limit)) {
+      return {CapForm::kShortSeries, largest};
+    }
+    if (__all_sync(0xffffffffu, largest < series_limit)) return {CapForm::kSeries, largest};
+    return {CapForm::kExp, largest};
   }
 
   //! Caps every raw product of `s` in place, to log2 units, with tanh's absolute error about
@@ -171,7 +228,11 @@ struct LogitSoftcap {
   //! the warp must call it.
   template <bool kReciprocalOnFma, class TensorS>
   CUTE_DEVICE void apply(TensorS& s) const {
-    if (fits_series(s)) {
+    const CapForm cap_form = form(s).form;
+    if (cap_form == CapForm::kShortSeries) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(s); ++i) s(i) = short_series.log2(s(i));
+    } else if (cap_form == CapForm::kSeries) {
       CUTE_UNROLL
       for (int i = 0; i < size(s); ++i) s(i) = series.log2(s(i));
     } else {

@@ -41,6 +41,17 @@ struct Log2Logits {
   CUTE_DEVICE float exponent(float x, float base) const { return x - base; }
 };
 
+//! A bound, in log2 units, that a step may take in place of the block maxima of the rows the
+//! calling thread holds (`known`; the same for the quad's four threads), saving their
+//! reductions. Exponents then lie at or below 0, and a row's largest probability is
+//! 2^-(bound - its maximum): the caller gives a bound only where that stays normal and exact
+//! in P's dtype, and only for blocks where every row has a visible key (a row of masked logits
+//! would take a finite maximum that none of its logits reaches).
+struct BlockBound {
+  bool known = false;
+  float log2_max = 0.f;
+};
+
 //! Per row, the factor by which earlier accumulations must be rescaled, and whether they must
 //! be (warp-uniform: after every block but the first, or with lazy rescaling only where a row
 //! of the calling warp moved its maximum).
@@ -73,22 +84,35 @@ struct OnlineSoftmax {
   }
 
   //! Replaces the rowcol view `s` of a logits block, whose `logits` map takes it to log2
-  //! units, by its unnormalised probabilities. Every thread of the warp must call it.
+  //! units, by its unnormalised probabilities; `bound`, where known, stands in for the rows'
+  //! block maxima. Every thread of the warp must call it, with the same bound.known.
   template <bool kFirst, class TensorS, class Logits>
-  CUTE_DEVICE Rescale<kRows> step(TensorS& s, Logits const& logits) {
+  CUTE_DEVICE Rescale<kRows> step(TensorS& s, Logits const& logits, BlockBound bound = {}) {
     static_assert(decltype(size<0>(s))::value == kRows);
     constexpr int kColumns = decltype(size<1>(s))::value;
     Rescale<kRows> rescale;
     bool moved = false;
+    float block_max[kRows];
+    // A warp-uniform branch around the reductions, which a known bound saves (one FMNMX per
+    // logit and the quad's shuffles).
+    if (bound.known) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) block_max[r] = bound.log2_max;
+    } else {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        block_max[r] = logits.log2(quad_allreduce(
+            chained_reduce<kColumns, kChains>([&](int c) { return s(r, c); }, MaxOp{}),
+            MaxOp{}));
+      }
+    }
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const float block_max = logits.log2(quad_allreduce(
-          chained_reduce<kColumns, kChains>([&](int c) { return s(r, c); }, MaxOp{}), MaxOp{}));
       // Selects, not branches (rows differ across the warp's quads). The maximum moves on the
       // first visible block (from -inf) and past the staleness bound; a NaN or -inf block
       // maximum never moves it.
       const float new_max =
-          kFirst || block_max - row_max[r] > kStaleMaxLog2 ? block_max : row_max[r];
+          kFirst || block_max[r] - row_max[r] > kStaleMaxLog2 ? block_max[r] : row_max[r];
       const float base = new_max == -INFINITY ? 0.f : new_max;
       rescale.factor[r] = kFirst ? 1.f : fast_exp2(row_max[r] - base);  // exp2(-inf) = 0
       if constexpr (kLazyRescale) moved |= new_max != row_max[r];
