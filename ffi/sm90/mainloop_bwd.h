@@ -538,19 +538,8 @@ struct BackwardMainloop {
     auto thr_copy_bias = smem_copy_bias.get_thread_slice(thread_idx);
     auto add_bias_tile = [&](auto& tSrS, float units) {
       if constexpr (Traits::kBias) {
-        Tensor sBias = bias_tile(storage);
-        Tensor tSsBias = thr_copy_bias.partition_S(sBias);  // (CPY, CPY_M, CPY_N)
-        Tensor tSrS_copy = thr_copy_bias.retile_D(tSrS);     // the same view of S^T
-        CUTE_UNROLL
-        for (int n = 0; n < size<2>(tSrS_copy); ++n) {
-          Tensor bias_slice = make_fragment_like<Element>(tSrS_copy(_, _, n));
-          copy(smem_copy_bias, tSsBias(_, _, n), bias_slice);
-          Tensor s_slice = tSrS_copy(_, _, n);
-          CUTE_UNROLL
-          for (int i = 0; i < size(bias_slice); ++i) {
-            s_slice(i) = fmaf(float(bias_slice(i)), units, s_slice(i));
-          }
-        }
+        add_tile_in_slices<Element>(smem_copy_bias, thr_copy_bias.partition_S(bias_tile(storage)),
+                                    thr_copy_bias.retile_D(tSrS), units);
       }
     };
     auto add_bias = [&](auto& tSrS, const Element* bias, int32_t m_block, float units) {

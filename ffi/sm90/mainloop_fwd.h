@@ -368,19 +368,9 @@ struct ForwardMainloop {
         auto copy_bias = make_tiled_copy_C(typename Traits::SmemCopyAtomBias{},
                                            typename Traits::MmaQKOneWarpGroup{});
         auto thr_copy_bias = copy_bias.get_thread_slice(thread_idx % kThreadsPerWarpGroup);
-        Tensor tSsBias = thr_copy_bias.partition_S(sBias);  // (CPY, CPY_M, CPY_N)
-        Tensor tSrS_copy = thr_copy_bias.retile_D(tSrS);     // the same view of S
         pipeline_bias[warp_group].consumer_wait(read_bias);
-        CUTE_UNROLL
-        for (int n = 0; n < size<2>(tSrS_copy); ++n) {
-          Tensor bias_slice = make_fragment_like<Element>(tSrS_copy(_, _, n));
-          copy(copy_bias, tSsBias(_, _, n), bias_slice);
-          Tensor s_slice = tSrS_copy(_, _, n);
-          CUTE_UNROLL
-          for (int i = 0; i < size(bias_slice); ++i) {
-            s_slice(i) = fmaf(float(bias_slice(i)), params.bias_units, s_slice(i));
-          }
-        }
+        add_tile_in_slices<Element>(copy_bias, thr_copy_bias.partition_S(sBias),
+                                    thr_copy_bias.retile_D(tSrS), params.bias_units);
         pipeline_bias[warp_group].consumer_release(read_bias);
         ++read_bias;
       }

@@ -85,6 +85,22 @@ CUTE_DEVICE void convert_into(Tensor<SrcEngine, SrcLayout> const& src,
   for (int i = 0; i < kSize / 2; ++i) out[i] = Converter::convert(in[i]);
 }
 
+//! Adds units * a shared-memory tile into an accumulator through `copy` (ldmatrix), one slice
+//! (the copy's third mode) at a time, so that few registers hold the tile: `tile` is the
+//! copy's source partition of it, `acc` the copy's retiled view of the accumulator.
+template <class Element, class TiledCopy, class TensorTile, class TensorAcc>
+CUTE_DEVICE void add_tile_in_slices(TiledCopy const& copy, TensorTile const& tile, TensorAcc&& acc,
+                                    float units) {
+  CUTE_UNROLL
+  for (int n = 0; n < size<2>(acc); ++n) {
+    Tensor slice = make_fragment_like<Element>(acc(_, _, n));
+    cute::copy(copy, tile(_, _, n), slice);
+    Tensor acc_slice = acc(_, _, n);
+    CUTE_UNROLL
+    for (int i = 0; i < size(slice); ++i) acc_slice(i) = fmaf(float(slice(i)), units, acc_slice(i));
+  }
+}
+
 //! 2^x on the special-function unit (ex2.approx, ~2 ulp); exp2(-inf) = +0.
 CUTE_DEVICE float fast_exp2(float x) {
   float y;
