@@ -173,17 +173,18 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
   // causal (bounded on the right) gives the first key blocks the most work, which the natural
   // order already runs first. Every key block of a head reads all its queries' Q and dO and
   // adds into all their dQ sums: a wave runs whole heads, so that each (query block, head)
-  // is read from memory and its sums cross L2 about once rather than once per key block. Block
-  // classes (a mask's, a bias's) are balanced like a window (uneven ones are mostly causal).
-  const bool windowed = f.options.window_left >= 0 || f.options.window_right >= 0 ||
-                        block_classes(f).present();
+  // is read from memory and its sums cross L2 about once rather than once per key block. The
+  // grid has a CTA per tile, which the hardware hands to SMs as they free up: that balances
+  // uneven blocks (causal, a mask's or a bias's classes) within a section by itself, so the
+  // sections stay at a wave of heads there too (longer ones, as the forward's persistent grid
+  // needs, cost the causal head dim 256 backward a fifth of its time at T = 4096).
   const bool reverse = f.options.window_left >= 0 && f.options.window_right < 0;
   const int64_t shared_bytes_per_head =
       (2 * s.seqlen_q * s.head_dim * int64_t(sizeof(Element)) +
        num_m_blocks * int64_t(Traits::kDqBlockFloats * sizeof(float))) * s.group_size();
   status = make_schedule(num_n_blocks, s.num_kv_heads, s.num_kv_heads * batch_count,
                          shared_bytes_per_head, /*heads_within_a_wave=*/true, reverse,
-                         /*balance_sections=*/windowed, /*items_adjacent=*/items_share_bias(f),
+                         /*balance_sections=*/false, /*items_adjacent=*/items_share_bias(f),
                          context, "backward", &kp.scheduler);
   if (!status.ok()) return status;
   mainloop.reverse_key_blocks = kp.scheduler.reverse_blocks;
