@@ -182,10 +182,11 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
   const int64_t shared_bytes_per_head =
       (2 * s.seqlen_q * s.head_dim * int64_t(sizeof(Element)) +
        num_m_blocks * int64_t(Traits::kDqBlockFloats * sizeof(float))) * s.group_size();
+  int grid = 0;
   status = make_schedule(num_n_blocks, s.num_kv_heads, s.num_kv_heads * batch_count,
                          shared_bytes_per_head, /*heads_within_a_wave=*/true, reverse,
                          /*balance_sections=*/false, /*items_adjacent=*/items_share_bias(f),
-                         context, "backward", &kp.scheduler);
+                         /*persistent=*/false, context, "backward", &kp.scheduler, &grid);
   if (!status.ok()) return status;
   mainloop.reverse_key_blocks = kp.scheduler.reverse_blocks;
   kp.mainloop = Kernel::Mainloop::to_params(mainloop);
@@ -195,7 +196,7 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
   epilogue.scale = kernel_scale(f);
   kp.epilogue = Kernel::Epilogue::to_params(epilogue);
   if (kp.scheduler.num_tiles > 0) {
-    status = launch_kernel(backward_kernel<Traits>, kp.scheduler.num_tiles, Traits::kNumThreads,
+    status = launch_kernel(backward_kernel<Traits>, grid, Traits::kNumThreads,
                            Kernel::kSharedStorageBytes, kp, context, "backward");
     if (!status.ok()) return status;
   }

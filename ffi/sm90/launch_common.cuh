@@ -282,11 +282,13 @@ inline bool items_share_bias(const ForwardParams& p) {
 //! more heads than one wave of CTAs covers whole: the blocks of a head then run side by side
 //! and meet in L2 on the data they share, before the next heads' blocks evict it. With
 //! `items_adjacent`, the batch items of a head come one after another (see
-//! TileSchedulerParams).
+//! TileSchedulerParams). `grid`: the CTAs to launch. A kernel that walks several tiles
+//! (`persistent`) gets one per SM; any other, one per tile.
 Status make_schedule(int64_t num_blocks, int64_t num_heads, int64_t num_heads_total,
                      int64_t bytes_per_head, bool heads_within_a_wave, bool reverse_blocks,
-                     bool balance_sections, bool items_adjacent, const LaunchContext& context,
-                     const char* kernel_name, TileSchedulerParams* sched);
+                     bool balance_sections, bool items_adjacent, bool persistent,
+                     const LaunchContext& context, const char* kernel_name,
+                     TileSchedulerParams* sched, int* grid);
 
 //! Calls launch(softcap, segments, mask, bias) with the compile-time features the call uses,
 //! each an std::bool_constant. A kernel is instantiated for no feature, for each feature in

@@ -72,14 +72,13 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
                         block_classes(p).present();
   const bool packed = p.q_segment_ids.present();
   const int64_t kv_bytes_per_head = 2 * s.seqlen_k * s.head_dim * int64_t(sizeof(Element));
+  int grid = 0;
   status = make_schedule(num_m_blocks, s.num_heads, num_heads_total, kv_bytes_per_head,
                          /*heads_within_a_wave=*/packed, /*reverse_blocks=*/windowed,
                          /*balance_sections=*/windowed && !packed,
-                         /*items_adjacent=*/items_share_bias(p), context, "forward",
-                         &kp.scheduler);
+                         /*items_adjacent=*/items_share_bias(p), /*persistent=*/true, context,
+                         "forward", &kp.scheduler, &grid);
   if (!status.ok()) return status;
-
-  const int grid = std::min(kp.scheduler.num_tiles, context.sm_count);
   return launch_kernel(forward_kernel<Traits>, grid, Traits::kNumThreads,
                        Kernel::kSharedStorageBytes, kp, context, "forward");
 }

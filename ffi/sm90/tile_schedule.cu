@@ -4,17 +4,84 @@
            the kernels' instantiation units do not each compile it.
 */
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "launch_common.cuh"
 
 namespace jax_flash::sm90 {
 
+namespace {
+
+//! The work of the busiest CTA when a persistent grid of `grid` CTAs deals `num_blocks` blocks of
+//! `num_heads_total` heads statically, as StaticPersistentScheduler does (rounds of `grid` tiles
+//! in snake order, sections of `heads_per_section` heads, blocks from the last to the first with
+//! `reverse_blocks`). A block's work is modelled as a causal query block's, in key blocks: its
+//! index plus one, and one more for the tile's fixed costs (Q load, epilogue).
+int64_t busiest_cta_work(int64_t num_blocks, int64_t num_heads_total, int64_t heads_per_section,
+                         int64_t grid, bool reverse_blocks) {
+  std::vector<int64_t> work(size_t(grid), 0);
+  const int64_t section_tiles = heads_per_section * num_blocks;
+  const int64_t num_tiles = num_blocks * num_heads_total;
+  for (int64_t tile = 0; tile < num_tiles; ++tile) {
+    const int64_t round = tile / grid;
+    const int64_t lane = tile - round * grid;
+    const int64_t section = tile / section_tiles;
+    const int64_t heads = std::min(heads_per_section, num_heads_total - section * heads_per_section);
+    const int64_t block_index = (tile - section * section_tiles) / heads;
+    const int64_t block = reverse_blocks ? num_blocks - 1 - block_index : block_index;
+    work[size_t((round & 1) ? grid - 1 - lane : lane)] += block + 2;
+  }
+  return *std::max_element(work.begin(), work.end());
+}
+
+//! Sections of uneven blocks for a persistent grid: the rule's `heads_per_section`, unless a
+//! smaller power of two deals the tiles to the CTAs more evenly (by busiest_cta_work). The powers
+//! are tried from one head up, and each replaces the choice so far only if it beats it by more
+//! than 1%, so the smallest good one wins (fewer heads' operands in flight at once). How sections fall
+//! across rounds decides how the long blocks spread over the CTAs, and no closed rule gets that
+//! right for every count of blocks and heads: sections sized for L2 deal short rows (a few
+//! blocks per head, many heads) unevenly, small sections deal long rows unevenly. Decisions are
+//! cached per problem size: programs repeat their shapes, and the model costs a pass over the
+//! tiles per candidate.
+int64_t balanced_heads_per_section(int64_t num_blocks, int64_t num_heads_total,
+                                   int64_t heads_per_section, int64_t grid, bool reverse_blocks) {
+  constexpr int64_t kMaxModelledTiles = int64_t(1) << 15;  // past this the rounds even out
+  if (num_blocks * num_heads_total > kMaxModelledTiles || grid <= 1) return heads_per_section;
+  const std::array<int64_t, 5> key{num_blocks, num_heads_total, heads_per_section, grid,
+                                   int64_t(reverse_blocks)};
+  static std::mutex mutex;
+  static std::map<std::array<int64_t, 5>, int64_t> decisions;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (auto it = decisions.find(key); it != decisions.end()) return it->second;
+  }
+  int64_t best = heads_per_section;
+  int64_t best_work = busiest_cta_work(num_blocks, num_heads_total, best, grid, reverse_blocks);
+  for (int64_t heads = 1; heads < heads_per_section; heads *= 2) {
+    const int64_t work = busiest_cta_work(num_blocks, num_heads_total, heads, grid, reverse_blocks);
+    if (100 * work < 99 * best_work) {
+      best = heads;
+      best_work = work;
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  if (decisions.size() >= 4096) decisions.clear();
+  decisions.emplace(key, best);
+  return best;
+}
+
+}  // namespace
+
 Status make_schedule(int64_t num_blocks, int64_t num_heads, int64_t num_heads_total,
                      int64_t bytes_per_head, bool heads_within_a_wave, bool reverse_blocks,
-                     bool balance_sections, bool items_adjacent, const LaunchContext& context,
-                     const char* kernel_name, TileSchedulerParams* sched) {
+                     bool balance_sections, bool items_adjacent, bool persistent,
+                     const LaunchContext& context, const char* kernel_name,
+                     TileSchedulerParams* sched, int* grid) {
   const int64_t num_tiles = num_heads_total * num_blocks;
   if (num_tiles > INT32_MAX - 2 * int64_t(context.sm_count)) {
     return Status::InvalidArgument(std::string("jax_flash: too many blocks x heads x batch (") +
@@ -35,13 +102,19 @@ Status make_schedule(int64_t num_blocks, int64_t num_heads, int64_t num_heads_to
   if (balance_sections) {
     // A persistent grid deals its tiles statically, and longest first then balances the CTAs
     // only over a section several rounds long: one shorter than a round deals the long blocks
-    // to the same CTAs round after round. Sections may therefore
-    // grow past L2 up to a quarter of the grid in heads: a round then still runs four or more
-    // CTAs per head side by side, on blocks of about the same length, reading the same data
-    // together.
+    // to the same CTAs round after round. Sections may therefore grow past L2 up to a quarter
+    // of the grid in heads: a round then still runs four or more CTAs per head side by side, on
+    // blocks of about the same length, reading the same data together. Where that still deals
+    // unevenly (short rows), balanced_heads_per_section picks smaller sections.
     heads_per_section = std::max<int64_t>(heads_per_section, context.sm_count / 4);
   }
-  sched->heads_per_section = int32_t(std::clamp<int64_t>(heads_per_section, 1, num_heads_total));
+  heads_per_section = std::clamp<int64_t>(heads_per_section, 1, num_heads_total);
+  *grid = persistent ? int(std::min<int64_t>(num_tiles, context.sm_count)) : int(num_tiles);
+  if (balance_sections && persistent) {
+    heads_per_section = balanced_heads_per_section(num_blocks, num_heads_total, heads_per_section,
+                                                   *grid, reverse_blocks);
+  }
+  sched->heads_per_section = int32_t(heads_per_section);
   return Status::Ok();
 }
 
