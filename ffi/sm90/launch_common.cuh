@@ -280,7 +280,9 @@ inline bool items_share_bias(const ForwardParams& p) {
 //! per section: as many as keep `bytes_per_head` of operands that all blocks of a head read
 //! within half of L2 (the rest serves the streamed operands). With `heads_within_a_wave`, no
 //! more heads than one wave of CTAs covers whole: the blocks of a head then run side by side
-//! and meet in L2 on the data they share, before the next heads' blocks evict it. With
+//! and meet in L2 on the data they share, before the next heads' blocks evict it. A persistent
+//! walk over even blocks (neither `balance_sections` nor `heads_within_a_wave`) takes one
+//! head per section, for the same reason (tile_schedule.cu). With
 //! `items_adjacent`, the batch items of a head come one after another (see
 //! TileSchedulerParams). `grid`: the CTAs to launch. A kernel that walks several tiles
 //! (`persistent`) gets one per SM; any other, one per tile.

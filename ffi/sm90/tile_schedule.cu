@@ -17,53 +17,46 @@ namespace jax_flash::sm90 {
 
 namespace {
 
-//! The work of the busiest CTA when a persistent grid of `grid` CTAs deals `num_blocks` blocks of
-//! `num_heads_total` heads statically, as StaticPersistentScheduler does (rounds of `grid` tiles
-//! in snake order, sections of `heads_per_section` heads, blocks from the last to the first with
-//! `reverse_blocks`). A block's work is modelled as a causal query block's, in key blocks: its
-//! index plus one, and one more for the tile's fixed costs (Q load, epilogue).
-int64_t busiest_cta_work(int64_t num_blocks, int64_t num_heads_total, int64_t heads_per_section,
-                         int64_t grid, bool reverse_blocks) {
+//! The work of the busiest CTA when a persistent grid of `grid` CTAs deals the tiles of
+//! `params` statically, as StaticPersistentScheduler does. A block's work is modelled as a
+//! causal query block's, in key blocks: its index plus one, and one more for the tile's fixed
+//! costs (Q load, epilogue).
+int64_t busiest_cta_work(TileSchedulerParams const& params, int32_t grid) {
   std::vector<int64_t> work(size_t(grid), 0);
-  const int64_t section_tiles = heads_per_section * num_blocks;
-  const int64_t num_tiles = num_blocks * num_heads_total;
-  for (int64_t tile = 0; tile < num_tiles; ++tile) {
-    const int64_t round = tile / grid;
-    const int64_t lane = tile - round * grid;
-    const int64_t section = tile / section_tiles;
-    const int64_t heads = std::min(heads_per_section, num_heads_total - section * heads_per_section);
-    const int64_t block_index = (tile - section * section_tiles) / heads;
-    const int64_t block = reverse_blocks ? num_blocks - 1 - block_index : block_index;
-    work[size_t((round & 1) ? grid - 1 - lane : lane)] += block + 2;
+  for (int32_t tile = 0; tile < params.num_tiles; ++tile) {
+    const int32_t round = tile / grid;
+    const int32_t lane = snake_tile(round, tile - round * grid, grid) - round * grid;
+    work[size_t(lane)] += tile_coord(params, tile).block + 2;
   }
   return *std::max_element(work.begin(), work.end());
 }
 
-//! Sections of uneven blocks for a persistent grid: the rule's `heads_per_section`, unless a
-//! smaller power of two deals the tiles to the CTAs more evenly (by busiest_cta_work). The powers
-//! are tried from one head up, and each replaces the choice so far only if it beats it by more
-//! than 1%, so the smallest good one wins (fewer heads' operands in flight at once). How sections fall
-//! across rounds decides how the long blocks spread over the CTAs, and no closed rule gets that
-//! right for every count of blocks and heads: sections sized for L2 deal short rows (a few
-//! blocks per head, many heads) unevenly, small sections deal long rows unevenly. Decisions are
-//! cached per problem size: programs repeat their shapes, and the model costs a pass over the
-//! tiles per candidate.
-int64_t balanced_heads_per_section(int64_t num_blocks, int64_t num_heads_total,
-                                   int64_t heads_per_section, int64_t grid, bool reverse_blocks) {
-  constexpr int64_t kMaxModelledTiles = int64_t(1) << 15;  // past this the rounds even out
-  if (num_blocks * num_heads_total > kMaxModelledTiles || grid <= 1) return heads_per_section;
-  const std::array<int64_t, 5> key{num_blocks, num_heads_total, heads_per_section, grid,
-                                   int64_t(reverse_blocks)};
+//! Sections of uneven blocks for a persistent grid: the rule's heads per section (in `params`),
+//! unless a smaller power of two deals the tiles to the CTAs more evenly (by busiest_cta_work).
+//! The powers are tried from one head up, and each replaces the choice so far only if it beats
+//! it by more than 1%, so the smallest good one wins (fewer heads' operands in flight at once).
+//! How sections fall across rounds decides how the long blocks spread over the CTAs, and no
+//! closed rule gets that right for every count of blocks and heads: sections sized for L2 deal
+//! short rows (a few blocks per head, many heads) unevenly, small sections deal long rows
+//! unevenly. Decisions are cached per problem size: programs repeat their shapes, and the model
+//! costs a pass over the tiles per candidate.
+int32_t balanced_heads_per_section(TileSchedulerParams params, int32_t grid) {
+  constexpr int32_t kMaxModelledTiles = int32_t(1) << 15;  // past this the rounds even out
+  if (params.num_tiles > kMaxModelledTiles || grid <= 1) return params.heads_per_section;
+  const std::array<int32_t, 5> key{params.num_blocks, params.num_heads_total,
+                                   params.heads_per_section, grid, int32_t(params.reverse_blocks)};
   static std::mutex mutex;
-  static std::map<std::array<int64_t, 5>, int64_t> decisions;
+  static std::map<std::array<int32_t, 5>, int32_t> decisions;
   {
     std::lock_guard<std::mutex> lock(mutex);
     if (auto it = decisions.find(key); it != decisions.end()) return it->second;
   }
-  int64_t best = heads_per_section;
-  int64_t best_work = busiest_cta_work(num_blocks, num_heads_total, best, grid, reverse_blocks);
-  for (int64_t heads = 1; heads < heads_per_section; heads *= 2) {
-    const int64_t work = busiest_cta_work(num_blocks, num_heads_total, heads, grid, reverse_blocks);
+  const int32_t rule = params.heads_per_section;
+  int32_t best = rule;
+  int64_t best_work = busiest_cta_work(params, grid);
+  for (int32_t heads = 1; heads < rule; heads *= 2) {
+    params.heads_per_section = heads;
+    const int64_t work = busiest_cta_work(params, grid);
     if (100 * work < 99 * best_work) {
       best = heads;
       best_work = work;
@@ -95,9 +88,17 @@ Status make_schedule(int64_t num_blocks, int64_t num_heads, int64_t num_heads_to
   const int64_t heads = std::max<int64_t>(num_heads, 1);
   sched->inner_extent = int32_t(items_adjacent ? num_heads_total / heads : heads);
   sched->items_adjacent = items_adjacent;
-  int64_t heads_per_section = (int64_t(context.l2_bytes) / 2) / std::max<int64_t>(bytes_per_head, 1);
+  int64_t heads_per_section =
+      (int64_t(context.l2_bytes) / 2) / std::max<int64_t>(bytes_per_head, 1);
   if (heads_within_a_wave) {
     heads_per_section = std::min<int64_t>(heads_per_section, context.sm_count / num_blocks);
+  }
+  if (persistent && !balance_sections && !heads_within_a_wave) {
+    // The persistent forward over even blocks (no window, no packed rows): one head per
+    // section. A head's blocks then go to adjacent CTAs of one round and read its K and V from
+    // L2 together, and a round holds only its own heads' K and V. Sections sized for L2 spread
+    // a head's blocks over rounds, which cost 7-15% at T <= 1024 and 1-2% at T = 4096 (H100).
+    heads_per_section = 1;
   }
   if (balance_sections) {
     // A persistent grid deals its tiles statically, and longest first then balances the CTAs
@@ -108,13 +109,11 @@ Status make_schedule(int64_t num_blocks, int64_t num_heads, int64_t num_heads_to
     // unevenly (short rows), balanced_heads_per_section picks smaller sections.
     heads_per_section = std::max<int64_t>(heads_per_section, context.sm_count / 4);
   }
-  heads_per_section = std::clamp<int64_t>(heads_per_section, 1, num_heads_total);
+  sched->heads_per_section = int32_t(std::clamp<int64_t>(heads_per_section, 1, num_heads_total));
   *grid = persistent ? int(std::min<int64_t>(num_tiles, context.sm_count)) : int(num_tiles);
   if (balance_sections && persistent) {
-    heads_per_section = balanced_heads_per_section(num_blocks, num_heads_total, heads_per_section,
-                                                   *grid, reverse_blocks);
+    sched->heads_per_section = balanced_heads_per_section(*sched, *grid);
   }
-  sched->heads_per_section = int32_t(heads_per_section);
   return Status::Ok();
 }
 

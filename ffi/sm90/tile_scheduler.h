@@ -2,15 +2,17 @@
     \brief Static tile scheduler shared by the passes. A tile is (block, head, batch), where the
            block runs along the pass's own axis: query blocks in the forward, key blocks in the
            backward (whose heads are key/value heads). Tiles are grouped in sections of heads
-           (chosen by the host so that the operands the section's blocks all read share L2),
-           and within a section a window (causal) may make blocks at one end longer: the host
-           then asks for the blocks from the last to the first. Heads are numbered batch item
-           by batch item, or, where the items share a bias, head by head: the items of a head
-           then run side by side, reading the bias from L2 together and summing its gradient
-           there. Rounds of gridDim.x tiles are dealt in a snake order (CTA i takes the i-th
-           tile of even rounds and the i-th from the end of odd ones), so a CTA that drew a
-           longer tile in one round draws a shorter one in the next. A grid of one CTA per
-           tile makes it a plain (non-persistent) map.
+           (chosen by the host: so that the operands the section's blocks all read share L2,
+           and for a persistent grid's uneven blocks, so that the deal below balances its CTAs;
+           tile_schedule.cu), and within a section a window (causal) may make blocks at one end
+           longer: the host then asks for the blocks from the last to the first. Heads are
+           numbered batch item by batch item, or, where the items share a bias, head by head:
+           the items of a head then run side by side, reading the bias from L2 together and
+           summing its gradient there. Rounds of gridDim.x tiles are dealt in a snake order
+           (CTA i takes the i-th tile of even rounds and the i-th from the end of odd ones), so
+           a CTA that drew a longer tile in one round draws a shorter one in the next. A grid of
+           one CTA per tile makes it a plain (non-persistent) map. The mapping is written once,
+           for the device and for the host's model of the deal alike (snake_tile, tile_coord).
 */
 #pragma once
 
@@ -39,6 +41,34 @@ struct TileSchedulerParams {
   bool reverse_blocks = false;     //!< visit blocks from the last to the first
 };
 
+//! The tile that CTA `lane` of a grid of `grid` CTAs takes in round `round`. The snake is its
+//! own inverse: given a tile's position within its round, it also returns the CTA that takes it
+//! (plus round * grid).
+CUTE_HOST_DEVICE int32_t snake_tile(int32_t round, int32_t lane, int32_t grid) {
+  return round * grid + ((round & 1) ? grid - 1 - lane : lane);
+}
+
+//! A tile's coordinates: its section of heads, then within the section block by block, the
+//! section's heads side by side.
+CUTE_HOST_DEVICE TileCoord tile_coord(TileSchedulerParams const& params, int32_t tile) {
+  const int32_t section_tiles = params.heads_per_section * params.num_blocks;
+  const int32_t section = tile / section_tiles;
+  const int32_t offset = tile - section * section_tiles;
+  const int32_t first_head = section * params.heads_per_section;
+  const int32_t heads_left = params.num_heads_total - first_head;
+  const int32_t heads = params.heads_per_section < heads_left ? params.heads_per_section
+                                                              : heads_left;
+  const int32_t block_index = offset / heads;
+  const int32_t head_linear = first_head + (offset - block_index * heads);
+  TileCoord c;
+  c.block = params.reverse_blocks ? params.num_blocks - 1 - block_index : block_index;
+  const int32_t outer = head_linear / params.inner_extent;
+  const int32_t inner = head_linear - outer * params.inner_extent;
+  c.head = params.items_adjacent ? outer : inner;
+  c.batch = params.items_adjacent ? inner : outer;
+  return c;
+}
+
 class StaticPersistentScheduler {
  public:
   CUTE_DEVICE explicit StaticPersistentScheduler(TileSchedulerParams const& params)
@@ -48,26 +78,10 @@ class StaticPersistentScheduler {
   CUTE_DEVICE bool valid() const { return tile_ < params_.num_tiles; }
   CUTE_DEVICE void advance() {
     ++round_;
-    const int32_t lane = (round_ & 1) ? int32_t(gridDim.x - 1 - blockIdx.x) : int32_t(blockIdx.x);
-    tile_ = round_ * int32_t(gridDim.x) + lane;
+    tile_ = snake_tile(round_, int32_t(blockIdx.x), int32_t(gridDim.x));
   }
 
-  CUTE_DEVICE TileCoord coord() const {
-    const int32_t section_tiles = params_.heads_per_section * params_.num_blocks;
-    const int32_t section = tile_ / section_tiles;
-    const int32_t offset = tile_ - section * section_tiles;
-    const int32_t first_head = section * params_.heads_per_section;
-    const int32_t heads = min(params_.heads_per_section, params_.num_heads_total - first_head);
-    const int32_t block_index = offset / heads;
-    const int32_t head_linear = first_head + (offset - block_index * heads);
-    TileCoord c;
-    c.block = params_.reverse_blocks ? params_.num_blocks - 1 - block_index : block_index;
-    const int32_t outer = head_linear / params_.inner_extent;
-    const int32_t inner = head_linear - outer * params_.inner_extent;
-    c.head = params_.items_adjacent ? outer : inner;
-    c.batch = params_.items_adjacent ? inner : outer;
-    return c;
-  }
+  CUTE_DEVICE TileCoord coord() const { return tile_coord(params_, tile_); }
 
  private:
   TileSchedulerParams params_;
