@@ -182,11 +182,16 @@ Status launch_backward(const BackwardParams& p, const BackwardWorkspaceLayout& l
   const int64_t shared_bytes_per_head =
       (2 * s.seqlen_q * s.head_dim * int64_t(sizeof(Element)) +
        num_m_blocks * int64_t(Traits::kDqBlockFloats * sizeof(float))) * s.group_size();
+  ScheduleRequest schedule;
+  schedule.num_blocks = num_n_blocks;
+  schedule.num_heads = s.num_kv_heads;
+  schedule.num_heads_total = s.num_kv_heads * batch_count;
+  schedule.bytes_per_head = shared_bytes_per_head;
+  schedule.sections = HeadSections::kWaveOfHeads;
+  schedule.reverse_blocks = reverse;
+  schedule.items_adjacent = items_share_bias(f);
   int grid = 0;
-  status = make_schedule(num_n_blocks, s.num_kv_heads, s.num_kv_heads * batch_count,
-                         shared_bytes_per_head, /*heads_within_a_wave=*/true, reverse,
-                         /*balance_sections=*/false, /*items_adjacent=*/items_share_bias(f),
-                         /*persistent=*/false, context, "backward", &kp.scheduler, &grid);
+  status = make_schedule(schedule, context, "backward", &kp.scheduler, &grid);
   if (!status.ok()) return status;
   mainloop.reverse_key_blocks = kp.scheduler.reverse_blocks;
   kp.mainloop = Kernel::Mainloop::to_params(mainloop);

@@ -276,21 +276,39 @@ inline bool items_share_bias(const ForwardParams& p) {
   return p.bias.present() && own_batch_items(p.shape.batch, p.bias.batch) < p.shape.batch.count();
 }
 
-//! Fills the scheduler's tile walk over `num_blocks` blocks of `num_heads_total` heads. Heads
-//! per section: as many as keep `bytes_per_head` of operands that all blocks of a head read
-//! within half of L2 (the rest serves the streamed operands). With `heads_within_a_wave`, no
-//! more heads than one wave of CTAs covers whole: the blocks of a head then run side by side
-//! and meet in L2 on the data they share, before the next heads' blocks evict it. A persistent
-//! walk over even blocks (neither `balance_sections` nor `heads_within_a_wave`) takes one
-//! head per section, for the same reason (tile_schedule.cu). With
-//! `items_adjacent`, the batch items of a head come one after another (see
-//! TileSchedulerParams). `grid`: the CTAs to launch. A kernel that walks several tiles
-//! (`persistent`) gets one per SM; any other, one per tile.
-Status make_schedule(int64_t num_blocks, int64_t num_heads, int64_t num_heads_total,
-                     int64_t bytes_per_head, bool heads_within_a_wave, bool reverse_blocks,
-                     bool balance_sections, bool items_adjacent, bool persistent,
-                     const LaunchContext& context, const char* kernel_name,
-                     TileSchedulerParams* sched, int* grid);
+//! How make_schedule sizes the sections of heads.
+enum class HeadSections {
+  //! As many heads as keep `bytes_per_head` of operands that all blocks of a head read within
+  //! half of L2 (the rest serves the streamed operands), but no more than one wave of CTAs
+  //! covers whole: the blocks of a head then run side by side and meet in L2 on the data they
+  //! share, before the next heads' blocks evict it.
+  kWaveOfHeads,
+  //! One head: a persistent walk over even blocks, whose head's blocks then go to adjacent
+  //! CTAs of one round and read the head's operands from L2 together.
+  kOneHead,
+  //! A persistent walk over uneven blocks (a window): sections grown past L2 so that the
+  //! static deal balances its CTAs, then checked against a model of the deal.
+  kBalanced,
+};
+
+//! The tile walk a launch asks make_schedule for: `num_blocks` blocks of `num_heads_total`
+//! heads (`num_heads` per batch item).
+struct ScheduleRequest {
+  int64_t num_blocks = 0;
+  int64_t num_heads = 0;
+  int64_t num_heads_total = 0;
+  int64_t bytes_per_head = 0;  //!< of the operands that every block of a head reads
+  HeadSections sections = HeadSections::kWaveOfHeads;
+  bool reverse_blocks = false;  //!< the blocks from the last to the first
+  //! The batch items of a head one after another (see TileSchedulerParams).
+  bool items_adjacent = false;
+  //! A kernel that walks several tiles gets one CTA per SM; any other, one per tile.
+  bool persistent = false;
+};
+
+//! Fills the scheduler's tile walk (tile_schedule.cu) and the CTAs to launch.
+Status make_schedule(const ScheduleRequest& request, const LaunchContext& context,
+                     const char* kernel_name, TileSchedulerParams* sched, int* grid);
 
 //! Calls launch(softcap, segments, mask, bias) with the compile-time features the call uses,
 //! each an std::bool_constant. A kernel is instantiated for no feature, for each feature in

@@ -67,17 +67,25 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   // K and V together from L2), and the lengths of the blocks follow the segments, not their
   // position, so longest-first needs no long sections. A mask array's work per block is not
   // known here; the masks that make it uneven are mostly causal ones (Flax's), so they are
-  // scheduled like a window, and so are a bias's (causal ones, where it drops blocks).
+  // scheduled like a window, and so are a bias's (causal ones, where it drops blocks). Blocks
+  // that are all alike (none of these) take a head per section.
   const bool windowed = p.options.window_left >= 0 || p.options.window_right >= 0 ||
                         block_classes(p).present();
   const bool packed = p.q_segment_ids.present();
   const int64_t kv_bytes_per_head = 2 * s.seqlen_k * s.head_dim * int64_t(sizeof(Element));
   int grid = 0;
-  status = make_schedule(num_m_blocks, s.num_heads, num_heads_total, kv_bytes_per_head,
-                         /*heads_within_a_wave=*/packed, /*reverse_blocks=*/windowed,
-                         /*balance_sections=*/windowed && !packed,
-                         /*items_adjacent=*/items_share_bias(p), /*persistent=*/true, context,
-                         "forward", &kp.scheduler, &grid);
+  ScheduleRequest schedule;
+  schedule.num_blocks = num_m_blocks;
+  schedule.num_heads = s.num_heads;
+  schedule.num_heads_total = num_heads_total;
+  schedule.bytes_per_head = kv_bytes_per_head;
+  schedule.sections = packed     ? HeadSections::kWaveOfHeads
+                      : windowed ? HeadSections::kBalanced
+                                 : HeadSections::kOneHead;
+  schedule.reverse_blocks = windowed;
+  schedule.items_adjacent = items_share_bias(p);
+  schedule.persistent = true;
+  status = make_schedule(schedule, context, "forward", &kp.scheduler, &grid);
   if (!status.ok()) return status;
   return launch_kernel(forward_kernel<Traits>, grid, Traits::kNumThreads,
                        Kernel::kSharedStorageBytes, kp, context, "forward");

@@ -70,48 +70,49 @@ int32_t balanced_heads_per_section(TileSchedulerParams params, int32_t grid) {
 
 }  // namespace
 
-Status make_schedule(int64_t num_blocks, int64_t num_heads, int64_t num_heads_total,
-                     int64_t bytes_per_head, bool heads_within_a_wave, bool reverse_blocks,
-                     bool balance_sections, bool items_adjacent, bool persistent,
-                     const LaunchContext& context, const char* kernel_name,
-                     TileSchedulerParams* sched, int* grid) {
-  const int64_t num_tiles = num_heads_total * num_blocks;
+Status make_schedule(const ScheduleRequest& request, const LaunchContext& context,
+                     const char* kernel_name, TileSchedulerParams* sched, int* grid) {
+  const int64_t num_tiles = request.num_heads_total * request.num_blocks;
   if (num_tiles > INT32_MAX - 2 * int64_t(context.sm_count)) {
     return Status::InvalidArgument(std::string("jax_flash: too many blocks x heads x batch (") +
                                    std::to_string(num_tiles) + ") for the Hopper " +
                                    kernel_name + " kernel");
   }
-  sched->num_blocks = int32_t(num_blocks);
-  sched->num_heads_total = int32_t(num_heads_total);
+  sched->num_blocks = int32_t(request.num_blocks);
+  sched->num_heads_total = int32_t(request.num_heads_total);
   sched->num_tiles = int32_t(num_tiles);
-  sched->reverse_blocks = reverse_blocks;
-  const int64_t heads = std::max<int64_t>(num_heads, 1);
-  sched->inner_extent = int32_t(items_adjacent ? num_heads_total / heads : heads);
-  sched->items_adjacent = items_adjacent;
-  int64_t heads_per_section =
-      (int64_t(context.l2_bytes) / 2) / std::max<int64_t>(bytes_per_head, 1);
-  if (heads_within_a_wave) {
-    heads_per_section = std::min<int64_t>(heads_per_section, context.sm_count / num_blocks);
+  sched->reverse_blocks = request.reverse_blocks;
+  const int64_t heads = std::max<int64_t>(request.num_heads, 1);
+  sched->inner_extent =
+      int32_t(request.items_adjacent ? request.num_heads_total / heads : heads);
+  sched->items_adjacent = request.items_adjacent;
+  const int64_t l2_heads =
+      (int64_t(context.l2_bytes) / 2) / std::max<int64_t>(request.bytes_per_head, 1);
+  int64_t heads_per_section = 1;
+  switch (request.sections) {
+    case HeadSections::kWaveOfHeads:
+      heads_per_section = std::min<int64_t>(l2_heads, context.sm_count / request.num_blocks);
+      break;
+    case HeadSections::kOneHead:
+      // Sections sized for L2 spread a head's blocks over rounds, which cost 7-15% at
+      // T <= 1024 and 1-2% at T = 4096 (H100); one head keeps a round to its own K and V.
+      heads_per_section = 1;
+      break;
+    case HeadSections::kBalanced:
+      // A persistent grid deals its tiles statically, and longest first then balances the
+      // CTAs only over a section several rounds long: one shorter than a round deals the long
+      // blocks to the same CTAs round after round. Sections may therefore grow past L2 up to a
+      // quarter of the grid in heads: a round then still runs four or more CTAs per head side
+      // by side, on blocks of about the same length, reading the same data together. Where that
+      // still deals unevenly (short rows), balanced_heads_per_section picks smaller sections.
+      heads_per_section = std::max<int64_t>(l2_heads, context.sm_count / 4);
+      break;
   }
-  if (persistent && !balance_sections && !heads_within_a_wave) {
-    // The persistent forward over even blocks (no window, no packed rows): one head per
-    // section. A head's blocks then go to adjacent CTAs of one round and read its K and V from
-    // L2 together, and a round holds only its own heads' K and V. Sections sized for L2 spread
-    // a head's blocks over rounds, which cost 7-15% at T <= 1024 and 1-2% at T = 4096 (H100).
-    heads_per_section = 1;
-  }
-  if (balance_sections) {
-    // A persistent grid deals its tiles statically, and longest first then balances the CTAs
-    // only over a section several rounds long: one shorter than a round deals the long blocks
-    // to the same CTAs round after round. Sections may therefore grow past L2 up to a quarter
-    // of the grid in heads: a round then still runs four or more CTAs per head side by side, on
-    // blocks of about the same length, reading the same data together. Where that still deals
-    // unevenly (short rows), balanced_heads_per_section picks smaller sections.
-    heads_per_section = std::max<int64_t>(heads_per_section, context.sm_count / 4);
-  }
-  sched->heads_per_section = int32_t(std::clamp<int64_t>(heads_per_section, 1, num_heads_total));
-  *grid = persistent ? int(std::min<int64_t>(num_tiles, context.sm_count)) : int(num_tiles);
-  if (balance_sections && persistent) {
+  sched->heads_per_section =
+      int32_t(std::clamp<int64_t>(heads_per_section, 1, request.num_heads_total));
+  *grid = request.persistent ? int(std::min<int64_t>(num_tiles, context.sm_count))
+                             : int(num_tiles);
+  if (request.sections == HeadSections::kBalanced && request.persistent) {
     sched->heads_per_section = balanced_heads_per_section(*sched, *grid);
   }
   return Status::Ok();
