@@ -286,8 +286,9 @@ enum class HeadSections {
   //! One head: a persistent walk over even blocks, whose head's blocks then go to adjacent
   //! CTAs of one round and read the head's operands from L2 together.
   kOneHead,
-  //! A persistent walk over uneven blocks (a window): sections grown past L2 so that the
-  //! static deal balances its CTAs, then checked against a model of the deal.
+  //! A persistent walk over uneven blocks (a window, or a mask's or bias's block classes):
+  //! sections grown past L2 so that the static deal balances its CTAs, then checked against a
+  //! model of the deal.
   kBalanced,
 };
 
