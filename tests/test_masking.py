@@ -5,8 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jax_flash import _config
+
 from _harness import (Case, check_forward, default_dtype, default_head_dim, live_rows,
                       make_inputs, visibility)
+from _platforms import platform_params, with_platform
 
 
 def case_on(platform: str, **fields) -> Case:
@@ -80,6 +83,19 @@ def test_sequence_lengths_mostly_zero(platform):
   kv_lens = tuple(300 if b % 6 == 0 else 0 for b in range(B))
   check_forward(case_on(platform, B=B, N=16, K=4, T=200, S=300, q_lens=q_lens, kv_lens=kv_lens),
                 platform)
+
+
+@with_platform("platform,H", platform_params([16], list(_config.GPU_HEAD_DIMS)))
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_tiles_with_and_without_keys_in_a_row(platform, H, is_causal):
+  """Tiles of several key blocks and tiles without keys (a key length of 0) in a row, about
+  three per CTA of the GPU's persistent grid, at each compiled tile's head dim: each tile's
+  output goes through shared memory that later tiles' loads reuse (at head dim 256 the K and V
+  stages of its last key block, or for a tile without keys the Q tile)."""
+  B = 24
+  kv_lens = tuple(0 if b % 3 == 1 else 640 - 23 * b for b in range(B))
+  check_forward(case_on(platform, B=B, N=8, K=4, T=256, S=640, H=H, is_causal=is_causal,
+                        kv_lens=kv_lens), platform)
 
 
 BROADCAST_SPECS = ["BNTS", "1NTS", "B1TS", "BN1S", "BNT1", "11TS", "B11S", "1111", "NTS", "TS",

@@ -1,9 +1,9 @@
 /*! \file epilogue_fwd.h
     \brief Forward epilogue collective: its arguments, parameters and shared storage (an output
-           tile per consumer warpgroup, unless O is written over Q); normalises O, writes the
-           log-sum-exp, and stores O through shared memory (stmatrix) with a TMA store per
-           warpgroup (per block over Q), which clips rows past the sequence and columns past
-           the head dim.
+           tile per consumer warpgroup, where shared memory has room for them); normalises O,
+           writes the log-sum-exp, and stores each consumer warpgroup's O rows through shared
+           memory (stmatrix) with a TMA store, which clips rows past the sequence and columns
+           past the head dim.
 */
 #pragma once
 
@@ -32,9 +32,6 @@ struct ForwardEpilogue {
   };
 
   using SmemLayoutO = typename Traits::SmemLayoutO;
-  static constexpr int kOutputRows = Traits::kOutputRows;
-  //! Threads that store one tile of kOutputRows rows together.
-  static constexpr int kStoreThreads = kOutputRows / 64 * kThreadsPerWarpGroup;
 
   struct Params {
     typename Traits::TmaStoreO tma_store_o;
@@ -51,24 +48,29 @@ struct ForwardEpilogue {
     return params;
   }
 
-  //! The consumer warpgroups' output tiles, or nothing when the kernel hands the epilogue the
-  //! query tile instead.
-  struct OutputTile {
+  //! The consumer warpgroups' output tiles (Traits::kOwnOutputTiles), or nothing: the kernel
+  //! then lends the epilogue shared memory that the tile no longer reads.
+  struct OutputTiles {
     cute::array_aligned<Element, cosize_v<SmemLayoutO> * Traits::kNumConsumerWarpGroups, 1024> o;
   };
-  struct NoOutputTile {};
-  using SharedStorage = std::conditional_t<Traits::kOutputAliasesQuery, NoOutputTile, OutputTile>;
+  struct NoOutputTiles {};
+  using SharedStorage = std::conditional_t<Traits::kOwnOutputTiles, OutputTiles, NoOutputTiles>;
+  //! Consumer warpgroup `warp_group`'s output tile in `storage`.
+  CUTE_DEVICE static Element* output_tile(OutputTiles& storage, int warp_group) {
+    return storage.o.data() + warp_group * cosize_v<SmemLayoutO>;
+  }
 
   CUTE_DEVICE static void prefetch_descriptors(Params const& params) {
     cute::prefetch_tma_descriptor(params.tma_store_o.get_tma_descriptor());
   }
 
-  //! Normalises and stores one tile through `smem_o` (this collective's storage, or the query
-  //! tile when kOutputAliasesQuery). Every consumer thread calls it, for empty tiles too (tOrO
-  //! is then zero and every row comes out as O = 0, lse = -inf). The first thread of each
-  //! group of kStoreThreads issues the group's store, and with kOutputAliasesQuery it also
-  //! waits for the store before returning, because the next tile's Q lands in the same shared
-  //! memory. `warp_group`: the consumer warpgroup, warp-uniform as the mainloop's.
+  //! Normalises one tile's O and stores the calling consumer warpgroup's rows through
+  //! `smem_o`: its output tile, or (without Traits::kOwnOutputTiles) a buffer lent for this
+  //! tile, which every consumer warpgroup's GEMMs may have read and which the caller frees once
+  //! this returns (the store has read it by then). Every consumer thread calls it, for empty
+  //! tiles too (tOrO is then zero and every row comes out as O = 0, lse = -inf). The
+  //! warpgroup's first thread issues its store. `warp_group`: the consumer warpgroup,
+  //! warp-uniform as the mainloop's.
   template <class TensorO>
   CUTE_DEVICE static void store(Params const& params, AttentionProblem const& problem,
                                 Element* smem_o, TileInfo const& info, int warp_group,
@@ -102,15 +104,18 @@ struct ForwardEpilogue {
     Tensor tOrO_out = make_tensor<Element>(tOrO.layout());
     convert_into(tOrO, tOrO_out);
 
-    // The stored tile: the warpgroup's own, or the block's.
-    const int group = kStoreThreads == kNumConsumerThreads ? 0 : warp_group;
-    const int group_thread = thread_idx % kStoreThreads;
-    const uint32_t group_barrier = static_cast<uint32_t>(ForwardBarrier::kOutputFirst) + group;
-    Tensor sO = make_tensor(make_smem_ptr(smem_o + group * cosize_v<SmemLayoutO>), SmemLayoutO{});
-    if constexpr (!Traits::kOutputAliasesQuery) {
-      // The group's previous store must have finished reading its output tile.
+    const int group_thread = thread_idx % kThreadsPerWarpGroup;
+    const uint32_t group_barrier =
+        static_cast<uint32_t>(ForwardBarrier::kOutputFirst) + warp_group;
+    Tensor sO = make_tensor(make_smem_ptr(smem_o), SmemLayoutO{});
+    if constexpr (Traits::kOwnOutputTiles) {
+      // The warpgroup's previous store must have finished reading its output tile.
       if (group_thread == 0) tma_store_wait<0>();
-      cutlass::arch::NamedBarrier::sync(kStoreThreads, group_barrier);
+      cutlass::arch::NamedBarrier::sync(kThreadsPerWarpGroup, group_barrier);
+    } else {
+      // Every consumer warpgroup's GEMMs, which read the lent buffer, are complete.
+      cutlass::arch::NamedBarrier::sync(kNumConsumerThreads,
+                                        static_cast<uint32_t>(ForwardBarrier::kOutputBorrowed));
     }
     typename Traits::TiledMmaPVStored mma_stored;
     auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_stored);
@@ -118,23 +123,26 @@ struct ForwardEpilogue {
     copy(smem_copy, thr_copy.retile_S(tOrO_out), thr_copy.partition_D(sO));
     // Generic-proxy writes must be visible to the TMA (async proxy) before the store.
     cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(kStoreThreads, group_barrier);
+    cutlass::arch::NamedBarrier::sync(kThreadsPerWarpGroup, group_barrier);
     if (group_thread == 0) {
       Tensor mO = params.tma_store_o.get_tma_tensor(params.shape_o);
       Tensor gO = local_tile(mO(_, _, info.coord.head, info.coord.batch),
                              typename Traits::OutputTileShape{},
-                             make_coord(info.coord.block * (Traits::kBlockM / kOutputRows) + group,
+                             make_coord(info.coord.block * Traits::kNumConsumerWarpGroups + warp_group,
                                         _0{}));
       auto tma_o = params.tma_store_o.get_slice(_0{});
       copy(params.tma_store_o, tma_o.partition_S(sO), tma_o.partition_D(gO));
       tma_store_arrive();
-      if constexpr (Traits::kOutputAliasesQuery) tma_store_wait<0>();
+      if constexpr (!Traits::kOwnOutputTiles) tma_store_wait<0>();
+    }
+    if constexpr (!Traits::kOwnOutputTiles) {
+      cutlass::arch::NamedBarrier::sync(kThreadsPerWarpGroup, group_barrier);
     }
   }
 
-  //! Before the CTA exits, each group's last store must have read shared memory.
+  //! Before the CTA exits, each warpgroup's last store must have read shared memory.
   CUTE_DEVICE static void finish(int thread_idx) {
-    if (thread_idx % kStoreThreads == 0) tma_store_wait<0>();
+    if (thread_idx % kThreadsPerWarpGroup == 0) tma_store_wait<0>();
   }
 };
 

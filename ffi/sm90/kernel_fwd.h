@@ -34,17 +34,31 @@ struct ForwardKernel {
     TileSchedulerParams scheduler;
   };
 
-  struct StorageWithOutputTile {
+  using Element = typename Traits::Element;
+  using PipelineState = typename Traits::PipelineState;
+
+  struct StorageWithOutputTiles {
     typename Mainloop::SharedStorage mainloop;
     typename Epilogue::SharedStorage epilogue;
-    CUTE_DEVICE typename Traits::Element* output_tile() { return epilogue.o.data(); }
+    //! Consumer warpgroup `warp_group`'s output tile.
+    CUTE_DEVICE Element* output_tile(int warp_group, bool, PipelineState const&) {
+      return Epilogue::output_tile(epilogue, warp_group);
+    }
   };
-  struct StorageWithOutputOverQuery {
+  struct StorageWithoutOutputTiles {
     typename Mainloop::SharedStorage mainloop;
-    CUTE_DEVICE typename Traits::Element* output_tile() { return mainloop.q.data(); }
+    //! Where consumer warpgroup `warp_group` stores a tile's O without Traits::kOwnOutputTiles: the
+    //! K (warpgroup 0) or V (1) stage `last_stage` of its last key block, or for a tile without
+    //! keys, whose Q is not loaded, its rows' part of the Q tile.
+    CUTE_DEVICE Element* output_tile(int warp_group, bool empty, PipelineState const& last_stage) {
+      constexpr int kStageElements = Traits::kBlockN * Traits::kHeadDim;
+      if (empty) return mainloop.q.data() + warp_group * cosize_v<typename Traits::SmemLayoutO>;
+      return (warp_group == 0 ? mainloop.k.data() : mainloop.v.data()) +
+             last_stage.index() * kStageElements;
+    }
   };
-  using SharedStorage = std::conditional_t<Traits::kOutputAliasesQuery, StorageWithOutputOverQuery,
-                                           StorageWithOutputTile>;
+  using SharedStorage = std::conditional_t<Traits::kOwnOutputTiles, StorageWithOutputTiles,
+                                           StorageWithoutOutputTiles>;
   static constexpr int kSharedStorageBytes = sizeof(SharedStorage);
   static_assert(kSharedStorageBytes <= Traits::kSmemBudget, "tile configuration exceeds shared memory");
 };
@@ -75,9 +89,9 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 
   if (threadIdx.x == 0) {
     mainloop_storage.q_full.init(/*arrive_count=*/1);
-    // Who frees Q: the thread that waited for the output store when O overwrites Q, else every
-    // consumer thread once its last QK^T GEMM is complete.
-    mainloop_storage.q_empty.init(Traits::kOutputAliasesQuery ? 1 : Traits::kNumConsumerThreads);
+    // Every consumer thread frees Q once its last QK^T GEMM is complete (for a tile without
+    // keys, once the output store that went through it has read it).
+    mainloop_storage.q_empty.init(Traits::kNumConsumerThreads);
     Mainloop::prefetch_descriptors(params.mainloop);
     Epilogue::prefetch_descriptors(params.epilogue);
   }
@@ -162,28 +176,35 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     PipelineState read_state;
     typename Mainloop::StateBias read_bias;
     uint32_t q_full_phase = 0;
-    auto release_q = [&] {
-      if constexpr (!Traits::kOutputAliasesQuery) mainloop_storage.q_empty.arrive();
-    };
+    auto release_q = [&] { mainloop_storage.q_empty.arrive(); };
     Mainloop::start_turns(consumer_warp_group);
     for (; scheduler.valid(); scheduler.advance()) {
       const TileInfo info(params.problem, scheduler.coord());
       Tensor tOrO = partition_fragment_C(mma_pv, select<0, 2>(typename Traits::TileShapeQK{}));
       clear(tOrO);
       typename Traits::Softmax softmax;
+      PipelineState last_stage;
       if (!info.empty()) {
-        Mainloop::mma(params.mainloop, params.problem, mainloop_storage, pipeline_k, pipeline_v,
-                      read_state, q_full_phase, pipeline_bias.data(), read_bias, info,
-                      consumer_warp_group, thread_idx, tOrO, softmax, release_q);
+        last_stage = Mainloop::mma(params.mainloop, params.problem, mainloop_storage, pipeline_k,
+                                   pipeline_v, read_state, q_full_phase, pipeline_bias.data(),
+                                   read_bias, info, consumer_warp_group, thread_idx, tOrO, softmax,
+                                   release_q);
       } else {
         mainloop_storage.q_full.wait(q_full_phase);  // the producer's turn for this tile
-        release_q();
+        if constexpr (Traits::kOwnOutputTiles) release_q();
       }
       q_full_phase ^= 1;
-      Epilogue::store(params.epilogue, params.problem, storage.output_tile(), info,
+      Epilogue::store(params.epilogue, params.problem,
+                      storage.output_tile(consumer_warp_group, info.empty(), last_stage), info,
                       consumer_warp_group, thread_idx, tOrO, softmax);
-      if constexpr (Traits::kOutputAliasesQuery) {
-        if (thread_idx == 0) mainloop_storage.q_empty.arrive();
+      if constexpr (!Traits::kOwnOutputTiles) {
+        // The store has read the shared memory it went through.
+        if (info.empty()) {
+          release_q();
+        } else {
+          pipeline_k.consumer_release(last_stage);
+          pipeline_v.consumer_release(last_stage);
+        }
       }
     }
     Mainloop::finish_turns(consumer_warp_group);

@@ -102,18 +102,25 @@ struct ForwardKernelTraits {
   static constexpr int kKVStageBytes = kBlockN * kHeadDim * sizeof(Element);
   static constexpr int kKVBytes = cosize_v<SmemLayoutKV> * sizeof(Element);
   static constexpr int kSmemBudget = 227 * 1024;
-  //! Without room for a separate output tile the epilogue writes O over Q (dead by then); the
-  //! next block's Q load then waits for the output store instead of the last QK^T GEMM.
-  static constexpr bool kOutputAliasesQuery = kQBytes + 2 * kKVBytes + kQBytes + 1024 > kSmemBudget;
-  //! Rows of one output store. With its own output tile, each consumer warpgroup stores its 64
-  //! rows itself, so one done with its rows goes on to the next tile's GEMMs without waiting
-  //! for the others; over Q, the block stores its rows at once.
-  static constexpr int kOutputRows = kOutputAliasesQuery ? kBlockM : 64;
-  using OutputTileShape = Shape<Int<kOutputRows>, Int<kHeadDim>>;
-  using SmemLayoutO = SmemLayoutRows<kOutputRows>;
-  //! The P V product of the warpgroups that store together: its C partition places their
-  //! output fragments in the stored tile.
-  using TiledMmaPVStored = MmaPVOver<kOutputRows / 64>;
+  //! One consumer warpgroup's 64 rows of O, stored by TMA through shared memory.
+  using OutputTileShape = Shape<_64, Int<kHeadDim>>;
+  using SmemLayoutO = SmemLayoutRows<64>;
+  static constexpr int kOutputTileBytes = cosize_v<SmemLayoutO> * sizeof(Element);
+  //! Whether the epilogue has an output tile per consumer warpgroup beside Q and the K/V
+  //! stages; then each warpgroup stores its rows as soon as it has them. Where they do not fit
+  //! (head dim 256), O goes through shared memory that the tile no longer reads, the K and V
+  //! stages of its last key block (warpgroup 0's rows through K, 1's through V), freed once
+  //! the stores have read them. So Q is still freed after the last QK^T GEMM and the next
+  //! tile's Q loads under this tile's last block and epilogue (written over Q, O made that
+  //! load wait for the output store).
+  static constexpr bool kOwnOutputTiles =
+      kQBytes + 2 * kKVBytes + kNumConsumerWarpGroups * kOutputTileBytes + 1024 <= kSmemBudget;
+  static_assert(kOwnOutputTiles || (kNumConsumerWarpGroups <= 2 &&
+                                    kKVStageBytes >= kOutputTileBytes && kKVStageBytes % 1024 == 0),
+                "without output tiles of its own, each consumer warpgroup's O needs a K or V stage");
+  //! The P V product of one consumer warpgroup: its C partition places the warpgroup's output
+  //! fragments in its output tile.
+  using TiledMmaPVStored = MmaPVOver<1>;
 
   using GmemTensorSeq = typename SequenceTensor<Element>::Type;
   using ShapeSeq = typename SequenceTensor<Element>::Shape;
@@ -132,7 +139,7 @@ struct ForwardKernelTraits {
   // with ldmatrix.
   static constexpr int kBiasRowsBytes = 64 * kBlockN * int(sizeof(Element));
   static constexpr bool kBiasInTiles =
-      kBias && (kOutputAliasesQuery ? 1 : 2) * kQBytes + 2 * kKVBytes +
+      kBias && (kOwnOutputTiles ? 2 : 1) * kQBytes + 2 * kKVBytes +
                        kNumConsumerWarpGroups * kBiasRowsBytes + 1024 <=
                    kSmemBudget;
   using SmemLayoutBiasRows = decltype(tile_to_shape(

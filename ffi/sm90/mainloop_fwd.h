@@ -326,17 +326,19 @@ struct ForwardMainloop {
 
   //! Consumers: accumulates the unnormalised output of a non-empty tile into tOrO and the
   //! row statistics into softmax. `release_q` is called once the last read of Q is complete.
+  //! Returns the stage of the tile's last key block; without Traits::kOwnOutputTiles its K and
+  //! V stay held for the output (kernel_traits_fwd.h), and the caller frees them.
   //! `warp_group` must be warp-uniform in a form the compiler can see (a shuffle): the Q, K and
   //! V descriptors are sliced with it, so they live in uniform registers and not in the
   //! consumers' register budget (16 Q descriptors at head dim 256 made ptxas spill).
   template <class TensorO, class ReleaseQ>
-  CUTE_DEVICE static void mma(Params const& params, AttentionProblem const& problem,
-                              SharedStorage& storage, PipelineKV& pipeline_k,
-                              PipelineKV& pipeline_v, PipelineState& read_state, uint32_t q_phase,
-                              PipelineBias* pipeline_bias, StateBias& read_bias,
-                              TileInfo const& info, int warp_group, int thread_idx,
-                              TensorO& tOrO, typename Traits::Softmax& softmax,
-                              ReleaseQ&& release_q) {
+  CUTE_DEVICE static PipelineState mma(Params const& params, AttentionProblem const& problem,
+                                       SharedStorage& storage, PipelineKV& pipeline_k,
+                                       PipelineKV& pipeline_v, PipelineState& read_state,
+                                       uint32_t q_phase, PipelineBias* pipeline_bias,
+                                       StateBias& read_bias, TileInfo const& info, int warp_group,
+                                       int thread_idx, TensorO& tOrO,
+                                       typename Traits::Softmax& softmax, ReleaseQ&& release_q) {
     Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKV{});
     Tensor sVt = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutVt{});
@@ -449,6 +451,14 @@ struct ForwardMainloop {
       warpgroup_gemm</*kZeroInit=*/false, /*kWaitGroups=*/-1>(mma_pv, tOrP, tOrV(_, _, _, state.index()), tOrO);
     };
 
+    // After a key block's QK^T GEMM: its K stage is free (but the last block's, when it takes
+    // the output), and after the last block's Q too.
+    auto release_k = [&](PipelineState const& state, int n_block) {
+      const bool last = n_block == info.keys.begin;
+      if (Traits::kOwnOutputTiles || !last) pipeline_k.consumer_release(state);
+      if (last) release_q();
+    };
+
     storage.q_full.wait(q_phase);
 
     // First (last-visited) key block: S and its softmax step without history. The classes
@@ -463,8 +473,7 @@ struct ForwardMainloop {
     pass_turn(warp_group);
     prefetch_bias(n_block);
     warpgroup_wait<0>();
-    pipeline_k.consumer_release(read_state);
-    if (n_block == info.keys.begin) release_q();
+    release_k(read_state, n_block);
     softmax_step(std::true_type{}, n_block, cls);
     convert_into(tSrS, tOrP);
     ++read_state;
@@ -482,8 +491,7 @@ struct ForwardMainloop {
       pass_turn(warp_group);
       prefetch_bias(n_block);
       warpgroup_wait<1>();  // S_j complete; P V may still run
-      pipeline_k.consumer_release(read_state);
-      if (n_block == info.keys.begin) release_q();
+      release_k(read_state, n_block);
       const auto rescale = softmax_step(std::false_type{}, n_block, cls);
       warpgroup_wait<0>();  // P V complete: O may be rescaled and P overwritten
       pipeline_v.consumer_release(v_state);
@@ -499,7 +507,8 @@ struct ForwardMainloop {
     issue_pv(v_state);
     pass_turn(warp_group);
     warpgroup_wait<0>();
-    pipeline_v.consumer_release(v_state);
+    if constexpr (Traits::kOwnOutputTiles) pipeline_v.consumer_release(v_state);
+    return v_state;
   }
 };
 

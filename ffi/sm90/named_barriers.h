@@ -13,6 +13,9 @@ enum class ForwardBarrier : uint32_t {
   //! then its threads wrote their O rows there
   kOutputFirst = 0,
   kWarpGroupTurnFirst = 3,  //!< + consumer warpgroup index: that warpgroup may issue its GEMMs
+  //! Consumers: every warpgroup's GEMMs of the tile are complete, so the K/V stage or the Q tile
+  //! that they read may take the output (kernel_traits_fwd.h, kOwnOutputTiles)
+  kOutputBorrowed = 6,
 };
 
 enum class BackwardBarrier : uint32_t {
