@@ -7,8 +7,8 @@ import pytest
 
 from jax_flash import _config
 
-from _harness import (Case, check_forward, default_dtype, default_head_dim, live_rows,
-                      make_inputs, visibility)
+from _harness import (Case, check_forward, check_gradients, default_dtype, default_head_dim,
+                      live_rows, make_inputs, visibility)
 from _platforms import platform_params, with_platform
 
 
@@ -96,6 +96,23 @@ def test_tiles_with_and_without_keys_in_a_row(platform, H, is_causal):
   kv_lens = tuple(0 if b % 3 == 1 else 640 - 23 * b for b in range(B))
   check_forward(case_on(platform, B=B, N=8, K=4, T=256, S=640, H=H, is_causal=is_causal,
                         kv_lens=kv_lens), platform)
+
+
+SECTION_SHAPES = [(5, 27, 256), (3, 45, 384), (7, 19, 128)]  # (B, N, T): 135, 135, 133 heads
+
+
+@with_platform("platform,shape", platform_params([], SECTION_SHAPES,
+                                                 ids=lambda s: "B{}-N{}-T{}".format(*s)))
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_sections_of_heads_that_do_not_divide_the_heads(platform, shape, is_causal):
+  """More heads (batch items x heads) than the GPU has SMs, in counts that the tile walk's
+  sections of heads do not divide, so that the last section is shorter (on a 132-SM GPU the
+  backward's wave of 132 / 3 = 44 heads leaves 3 of 135 in it): the walk divides each tile's
+  index by its own section's head count (tile_scheduler.h). Forward and gradients."""
+  B, N, T = shape
+  case = case_on(platform, B=B, N=N, K=N, T=T, S=T, H=64, is_causal=is_causal)
+  check_forward(case, platform)
+  check_gradients(case, platform)
 
 
 BROADCAST_SPECS = ["BNTS", "1NTS", "B1TS", "BN1S", "BNT1", "11TS", "B11S", "1111", "NTS", "TS",

@@ -51,7 +51,7 @@ struct ForwardKernel {
     //! K (warpgroup 0) or V (1) stage `last_stage` of its last key block, or for a tile without
     //! keys, whose Q is not loaded, its rows' part of the Q tile.
     CUTE_DEVICE Element* output_tile(int warp_group, bool empty, PipelineState const& last_stage) {
-      constexpr int kStageElements = Traits::kBlockN * Traits::kHeadDim;
+      constexpr int kStageElements = Traits::kKVStageBytes / sizeof(Element);
       if (empty) return mainloop.q.data() + warp_group * cosize_v<typename Traits::SmemLayoutO>;
       return (warp_group == 0 ? mainloop.k.data() : mainloop.v.data()) +
              last_stage.index() * kStageElements;

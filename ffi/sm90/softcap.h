@@ -34,13 +34,6 @@
 
 namespace jax_flash::sm90 {
 
-//! 1/x on the special-function unit (rcp.approx, about 1 ulp; 1/inf = 0).
-CUTE_DEVICE float fast_rcp(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 //! 1/x for x in [1, 2] on the FMA units: a minimax quadratic (relative error 1.0e-2), then two
 //! Newton steps (1e-8, below float rounding).
 CUTE_DEVICE float reciprocal_one_to_two(float x) {
@@ -57,13 +50,6 @@ CUTE_DEVICE float reciprocal_one_to_two(float x) {
 //! the SFU's rcp is the cheaper choice (0.63 against 0.59).
 template <int kHeadDim>
 inline constexpr bool kSoftcapReciprocalOnFma = kHeadDim <= 64;
-
-//! log2(x) on the special-function unit (lg2.approx); log2(0) = -inf.
-CUTE_DEVICE float fast_log2(float x) {
-  float y;
-  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 //! Raw products within a series' reach, capped and taken to log2 units (a logit map,
 //! softmax.h): cap * tanh(scale * s / cap) * log2 e = s * P(s^2). P is tanh(y) / y as a

@@ -134,16 +134,22 @@ struct OnlineSoftmax {
   }
 
   //! Final normalisation: returns 1/sum per row (0 for rows without a visible key or marked
-  //! dead) and writes the natural-log log-sum-exp into `lse`.
+  //! dead) and writes the natural-log log-sum-exp into `lse`. Branch-free, on the
+  //! special-function unit: the correctly rounded division and log2f take a slow-path branch
+  //! each, which serialised the rows into about 700 cycles of every tile's epilogue (H200,
+  //! head dim 64), with no GEMM beside them. A sum is a normal float (its largest term is at
+  //! least 2^-80, see BlockBound), where one Newton step takes rcp.approx to float rounding and
+  //! lg2.approx errs by less than 2^-22, below the rounding of the log-sum-exp itself.
   CUTE_DEVICE cute::array<float, kRows> finalize(bool const (&dead)[kRows], float (&lse)[kRows]) {
     cute::array<float, kRows> inv_sum;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const float sum = quad_allreduce(row_sum[r], SumOp{});
       const bool empty = dead[r] || !(sum > 0.f);
-      inv_sum[r] = empty ? 0.f : 1.f / sum;
+      const float rcp = fast_rcp(sum);
+      inv_sum[r] = empty ? 0.f : fmaf(rcp, fmaf(-sum, rcp, 1.f), rcp);
       constexpr float kLn2 = 0.69314718055994530942f;
-      lse[r] = empty ? -INFINITY : (row_max[r] + log2f(sum)) * kLn2;
+      lse[r] = empty ? -INFINITY : (row_max[r] + fast_log2(sum)) * kLn2;
     }
     return inv_sum;
   }

@@ -53,10 +53,10 @@ int32_t balanced_heads_per_section(TileSchedulerParams params, int32_t grid) {
   }
   const int32_t rule = params.heads_per_section;
   int32_t best = rule;
-  int64_t best_work = busiest_cta_work(params, grid);
+  int64_t best_work = busiest_cta_work(with_divisors(params), grid);
   for (int32_t heads = 1; heads < rule; heads *= 2) {
     params.heads_per_section = heads;
-    const int64_t work = busiest_cta_work(params, grid);
+    const int64_t work = busiest_cta_work(with_divisors(params), grid);
     if (100 * work < 99 * best_work) {
       best = heads;
       best_work = work;
@@ -115,6 +115,7 @@ Status make_schedule(const ScheduleRequest& request, const LaunchContext& contex
   if (request.sections == HeadSections::kBalanced && request.persistent) {
     sched->heads_per_section = balanced_heads_per_section(*sched, *grid);
   }
+  *sched = with_divisors(*sched);
   return Status::Ok();
 }
 

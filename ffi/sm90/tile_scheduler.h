@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include <cute/config.hpp>
+#include <cutlass/fast_math.h>
 
 namespace jax_flash::sm90 {
 
@@ -26,6 +27,16 @@ struct TileCoord {
   int32_t block;
   int32_t head;
   int32_t batch;  //!< flat index over the problem's batch shape
+};
+
+//! tile_coord's divisors as multiply-shifts (cutlass::FastDivmod, exact for the non-negative
+//! 32-bit operands here): integer divisions by runtime values cost a persistent CTA about a
+//! hundred cycles each at every tile boundary, where no GEMM runs beside them.
+struct TileDivisors {
+  cutlass::FastDivmod section_tiles;       //!< heads_per_section * num_blocks
+  cutlass::FastDivmod section_heads;       //!< heads_per_section
+  cutlass::FastDivmod last_section_heads;  //!< the heads of the last section (may be fewer)
+  cutlass::FastDivmod inner_extent;
 };
 
 //! 32-bit throughout: the host checks that the tile count plus two rounds fits.
@@ -39,7 +50,21 @@ struct TileSchedulerParams {
   bool items_adjacent = false;
   int32_t num_tiles = 0;
   bool reverse_blocks = false;     //!< visit blocks from the last to the first
+  TileDivisors divisors;           //!< from the fields above: with_divisors()
 };
+
+//! `params` with its divisors derived from its other fields (host: after any of them changes).
+//! A walk without tiles never divides; its divisors are 1.
+inline TileSchedulerParams with_divisors(TileSchedulerParams params) {
+  const auto divisor = [](int32_t d) { return cutlass::FastDivmod(d > 1 ? d : 1); };
+  const int32_t heads = params.heads_per_section > 1 ? params.heads_per_section : 1;
+  const int32_t sections = (params.num_heads_total + heads - 1) / heads;
+  params.divisors.section_tiles = divisor(heads * params.num_blocks);
+  params.divisors.section_heads = divisor(heads);
+  params.divisors.last_section_heads = divisor(params.num_heads_total - (sections - 1) * heads);
+  params.divisors.inner_extent = divisor(params.inner_extent);
+  return params;
+}
 
 //! The tile that CTA `lane` of a grid of `grid` CTAs takes in round `round`. The snake is its
 //! own inverse: given a tile's position within its round, it also returns the CTA that takes it
@@ -51,19 +76,18 @@ CUTE_HOST_DEVICE int32_t snake_tile(int32_t round, int32_t lane, int32_t grid) {
 //! A tile's coordinates: its section of heads, then within the section block by block, the
 //! section's heads side by side.
 CUTE_HOST_DEVICE TileCoord tile_coord(TileSchedulerParams const& params, int32_t tile) {
-  const int32_t section_tiles = params.heads_per_section * params.num_blocks;
-  const int32_t section = tile / section_tiles;
-  const int32_t offset = tile - section * section_tiles;
+  TileDivisors const& div = params.divisors;
+  int32_t section, offset;
+  div.section_tiles(section, offset, tile);
   const int32_t first_head = section * params.heads_per_section;
-  const int32_t heads_left = params.num_heads_total - first_head;
-  const int32_t heads = params.heads_per_section < heads_left ? params.heads_per_section
-                                                              : heads_left;
-  const int32_t block_index = offset / heads;
-  const int32_t head_linear = first_head + (offset - block_index * heads);
+  const bool last_section = params.num_heads_total - first_head < params.heads_per_section;
+  int32_t block_index, head_in_section;
+  (last_section ? div.last_section_heads : div.section_heads)(block_index, head_in_section, offset);
+  const int32_t head_linear = first_head + head_in_section;
   TileCoord c;
   c.block = params.reverse_blocks ? params.num_blocks - 1 - block_index : block_index;
-  const int32_t outer = head_linear / params.inner_extent;
-  const int32_t inner = head_linear - outer * params.inner_extent;
+  int32_t outer, inner;
+  div.inner_extent(outer, inner, head_linear);
   c.head = params.items_adjacent ? outer : inner;
   c.batch = params.items_adjacent ? inner : outer;
   return c;
@@ -84,7 +108,7 @@ class StaticPersistentScheduler {
   CUTE_DEVICE TileCoord coord() const { return tile_coord(params_, tile_); }
 
  private:
-  TileSchedulerParams params_;
+  TileSchedulerParams const& params_;  //!< the kernel's (grid-constant) parameters
   int32_t tile_;
   int32_t round_ = 0;
 };

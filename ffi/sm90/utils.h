@@ -108,6 +108,21 @@ CUTE_DEVICE float fast_exp2(float x) {
   return y;
 }
 
+//! 1/x on the special-function unit (rcp.approx, about 1 ulp; 1/inf = 0).
+CUTE_DEVICE float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+//! log2(x) on the special-function unit (lg2.approx, absolute error below 2^-22); log2(0) =
+//! -inf.
+CUTE_DEVICE float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 //! Reduces over the 4 threads (a quad) that share one accumulator row.
 template <class Op>
 CUTE_DEVICE float quad_allreduce(float x, Op op) {
