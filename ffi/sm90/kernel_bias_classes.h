@@ -11,7 +11,7 @@
 
 #include <type_traits>
 
-#include <cute/tensor.hpp>
+#include <cute/config.hpp>
 
 #include "launch.h"
 

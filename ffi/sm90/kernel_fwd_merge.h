@@ -6,7 +6,7 @@
 */
 #pragma once
 
-#include <cute/tensor.hpp>
+#include <cute/config.hpp>
 
 #include "launch.h"
 

@@ -1,33 +1,18 @@
 /*! \file kernel_traits.h
-    \brief What the Hopper kernels share at compile time: element types, the global views of a
-           BTNH operand read in place and of a bias moved in tiles, and the register budget
-           split between a producer warpgroup and the MMA warpgroups.
+    \brief What the Hopper kernels share at compile time: element types (element_types.h), the
+           global views of a BTNH operand read in place and of a bias moved in tiles, and the
+           register budget split between a producer warpgroup and the MMA warpgroups.
 */
 #pragma once
 
 #include <cute/tensor.hpp>
-#include <cutlass/numeric_types.h>
 
-#include "../common/attention_params.h"
+#include "element_types.h"
 #include "utils.h"
 
 namespace jax_flash::sm90 {
 
 using namespace cute;
-
-//! Every product accumulates in float32, whatever the 16-bit input type.
-using ElementAccum = float;
-
-template <ElementType kDtype>
-struct CutlassElement;
-template <>
-struct CutlassElement<ElementType::kBFloat16> {
-  using type = cutlass::bfloat16_t;
-};
-template <>
-struct CutlassElement<ElementType::kFloat16> {
-  using type = cutlass::half_t;
-};
 
 inline constexpr int kRegistersPerSm = 64 * 1024;
 

@@ -1,7 +1,7 @@
 /*! \file launch.h
     \brief Host entry points of the Hopper kernels. Plain C++ (no CuTe), so the FFI handlers are
            compiled by the host compiler; the kernel templates are instantiated in generated
-           translation units, one per (head dim tile, dtype, pass).
+           translation units, one per (pass, tile), its dtypes together.
 */
 #pragma once
 

@@ -4,9 +4,9 @@
 #include <cstdint>
 #include <string>
 
+#include "element_types.h"
 #include "kernel_bias_classes.h"
-#include "kernel_traits.h"
-#include "launch_common.cuh"
+#include "launch_kernel.cuh"
 
 namespace jax_flash::sm90 {
 

@@ -1,7 +1,9 @@
 /*! \file launch_common.cuh
-    \brief Host-side pieces every Hopper launch shares: the device's view of the batch axes,
-           global tensors of BTNH operands read in place, the scheduler's head sections, and
-           the kernel launch with its error report. Included only by launch_*.cuh.
+    \brief Host-side pieces the attention launches share: the device's view of the batch axes,
+           global tensors of BTNH operands read in place, the checks of the logit arrays'
+           operands, the dispatch on compiled features; with the schedule request
+           (tile_schedule.h) and the kernel launch (launch_kernel.cuh). Included only by
+           launch_{fwd,bwd}.cuh.
 */
 #pragma once
 
@@ -10,15 +12,14 @@
 #include <string>
 #include <type_traits>
 
-#include <cuda_runtime_api.h>
-
 #include <cute/tensor.hpp>
 
 #include "kernel_traits.h"
 #include "launch.h"
+#include "launch_kernel.cuh"
 #include "seqlen.h"
 #include "softcap.h"
-#include "tile_scheduler.h"
+#include "tile_schedule.h"
 
 namespace jax_flash::sm90 {
 
@@ -276,41 +277,6 @@ inline bool items_share_bias(const ForwardParams& p) {
   return p.bias.present() && own_batch_items(p.shape.batch, p.bias.batch) < p.shape.batch.count();
 }
 
-//! How make_schedule sizes the sections of heads.
-enum class HeadSections {
-  //! As many heads as keep `bytes_per_head` of operands that all blocks of a head read within
-  //! half of L2 (the rest serves the streamed operands), but no more than one wave of CTAs
-  //! covers whole: the blocks of a head then run side by side and meet in L2 on the data they
-  //! share, before the next heads' blocks evict it.
-  kWaveOfHeads,
-  //! One head: a persistent walk over even blocks, whose head's blocks then go to adjacent
-  //! CTAs of one round and read the head's operands from L2 together.
-  kOneHead,
-  //! A persistent walk over uneven blocks (a window, or a mask's or bias's block classes):
-  //! sections grown past L2 so that the static deal balances its CTAs, then checked against a
-  //! model of the deal.
-  kBalanced,
-};
-
-//! The tile walk a launch asks make_schedule for: `num_blocks` blocks of `num_heads_total`
-//! heads (`num_heads` per batch item).
-struct ScheduleRequest {
-  int64_t num_blocks = 0;
-  int64_t num_heads = 0;
-  int64_t num_heads_total = 0;
-  int64_t bytes_per_head = 0;  //!< of the operands that every block of a head reads
-  HeadSections sections = HeadSections::kWaveOfHeads;
-  bool reverse_blocks = false;  //!< the blocks from the last to the first
-  //! The batch items of a head one after another (see TileSchedulerParams).
-  bool items_adjacent = false;
-  //! A kernel that walks several tiles gets one CTA per SM; any other, one per tile.
-  bool persistent = false;
-};
-
-//! Fills the scheduler's tile walk (tile_schedule.cu) and the CTAs to launch.
-Status make_schedule(const ScheduleRequest& request, const LaunchContext& context,
-                     const char* kernel_name, TileSchedulerParams* sched, int* grid);
-
 //! Calls launch(softcap, segments, mask, bias) with the compile-time features the call uses,
 //! each an std::bool_constant. A kernel is instantiated for no feature, for each feature in
 //! kFeatures alone (a pass's, from kernel_configs.json through sm90_tiles.h) and for each
@@ -337,25 +303,6 @@ Status with_features(const ForwardParams& p, Launch&& launch) {
     }
   });
   return status;
-}
-
-//! Raises the kernel's dynamic shared memory limit and launches it on the context's stream.
-template <class Kernel, class Params>
-Status launch_kernel(Kernel kernel, int grid, int threads, int smem_bytes, const Params& params,
-                     const LaunchContext& context, const char* kernel_name) {
-  cudaError_t err = cudaSuccess;
-  if (smem_bytes > 48 * 1024) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-  }
-  if (err == cudaSuccess) {
-    kernel<<<grid, threads, smem_bytes, context.stream>>>(params);
-    err = cudaGetLastError();
-  }
-  if (err != cudaSuccess) {
-    return Status::Internal(std::string("jax_flash: Hopper ") + kernel_name +
-                            " launch failed: " + cudaGetErrorString(err));
-  }
-  return Status::Ok();
 }
 
 }  // namespace jax_flash::sm90

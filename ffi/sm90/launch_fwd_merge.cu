@@ -4,9 +4,9 @@
 #include <climits>
 #include <string>
 
+#include "element_types.h"
 #include "kernel_fwd_merge.h"
-#include "kernel_traits.h"
-#include "launch_common.cuh"
+#include "launch_kernel.cuh"
 
 namespace jax_flash::sm90 {
 

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "launch_common.cuh"
+#include "tile_schedule.h"
 
 namespace jax_flash::sm90 {
 
