@@ -34,6 +34,8 @@ class Sm90ForwardTile:
   prefer_causal_up_to: int = 0
   prefer_segment_ids: bool = False
   prefer_rows_up_to: int = 0
+  # The consumer warpgroups take turns at the softmax (tiles of two warpgroups; kernel only).
+  softmax_turns: bool = False
 
   @property
   def is_default(self) -> bool:

@@ -106,7 +106,7 @@ struct ForwardEpilogue {
 
     const int group_thread = thread_idx % kThreadsPerWarpGroup;
     const uint32_t group_barrier =
-        static_cast<uint32_t>(ForwardBarrier::kOutputFirst) + warp_group;
+        Traits::Barriers::kOutputFirst + warp_group;
     Tensor sO = make_tensor(make_smem_ptr(smem_o), SmemLayoutO{});
     if constexpr (Traits::kOwnOutputTiles) {
       // The warpgroup's previous store must have finished reading its output tile.
@@ -115,7 +115,7 @@ struct ForwardEpilogue {
     } else {
       // Every consumer warpgroup's GEMMs, which read the lent buffer, are complete.
       cutlass::arch::NamedBarrier::sync(kNumConsumerThreads,
-                                        static_cast<uint32_t>(ForwardBarrier::kOutputBorrowed));
+                                        Traits::Barriers::kOutputBorrowed);
     }
     typename Traits::TiledMmaPVStored mma_stored;
     auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_stored);

@@ -11,6 +11,7 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "kernel_traits.h"
+#include "named_barriers.h"
 #include "softmax.h"
 #include "sm90_tiles.h"  // generated from jax_flash/kernel_configs.json
 
@@ -45,6 +46,12 @@ struct ForwardKernelTraits {
   static constexpr int kNumConsumerThreads = kNumConsumerWarpGroups * kThreadsPerWarpGroup;
   static constexpr int kNumThreads = kNumConsumerThreads + kThreadsPerWarpGroup;
   static_assert(kBlockM % 64 == 0 && kNumConsumerWarpGroups >= 1 && kNumConsumerWarpGroups <= 3);
+  //! The consumer warpgroups take turns at each key block's softmax step as they do at GEMM
+  //! issue (kernel_configs.json, softmax_turns): two warpgroups that run their exponentials at
+  //! once crowd the special-function unit's queue (MIO throttle), which the turns leave to one
+  //! at a time while the other's GEMMs run.
+  static constexpr bool kSoftmaxTurns = Tile::kSoftmaxTurns && kNumConsumerWarpGroups > 1;
+  using Barriers = ForwardBarriers<kNumConsumerWarpGroups, kSoftmaxTurns>;
 
   // setmaxnreg budgets. With three consumer warpgroups the producer takes 32, which leaves each
   // consumer 160 (ptxas: no spills on either side); the 152 that any larger producer budget

@@ -300,28 +300,44 @@ struct ForwardMainloop {
                          wraps ? state.phase() ^ 1 : state.phase(), state.count() - 1);
   }
 
-  //! Warpgroup turn-taking for GEMM issue: wait for our turn, then pass it on.
-  CUTE_DEVICE static void wait_turn(int warp_group) {
+  using Barriers = typename Traits::Barriers;
+
+  //! Warpgroup turn-taking on a ring of named barriers, one per consumer warpgroup from
+  //! `first`: wait for the calling warpgroup's turn, then pass it on to the next. The GEMM-issue
+  //! ring orders the warpgroups' GEMMs; with Traits::kSoftmaxTurns a second ring orders their
+  //! softmax steps.
+  CUTE_DEVICE static void wait_turn(int warp_group,
+                                    uint32_t first = Barriers::kWarpGroupTurnFirst) {
     if constexpr (kNumConsumerWarpGroups > 1) {
-      cutlass::arch::NamedBarrier::sync(
-          2 * kThreadsPerWarpGroup,
-          static_cast<uint32_t>(ForwardBarrier::kWarpGroupTurnFirst) + warp_group);
+      cutlass::arch::NamedBarrier::sync(2 * kThreadsPerWarpGroup, first + warp_group);
     }
   }
-  CUTE_DEVICE static void pass_turn(int warp_group) {
+  CUTE_DEVICE static void pass_turn(int warp_group,
+                                    uint32_t first = Barriers::kWarpGroupTurnFirst) {
     if constexpr (kNumConsumerWarpGroups > 1) {
-      cutlass::arch::NamedBarrier::arrive(
-          2 * kThreadsPerWarpGroup, static_cast<uint32_t>(ForwardBarrier::kWarpGroupTurnFirst) +
-                                        (warp_group + 1) % kNumConsumerWarpGroups);
+      cutlass::arch::NamedBarrier::arrive(2 * kThreadsPerWarpGroup,
+                                          first + (warp_group + 1) % kNumConsumerWarpGroups);
     }
   }
-  //! Before the first tile the last warpgroup hands the first turn to warpgroup 0.
+  CUTE_DEVICE static void wait_softmax_turn(int warp_group) {
+    if constexpr (Traits::kSoftmaxTurns) wait_turn(warp_group, Barriers::kSoftmaxTurnFirst);
+  }
+  CUTE_DEVICE static void pass_softmax_turn(int warp_group) {
+    if constexpr (Traits::kSoftmaxTurns) pass_turn(warp_group, Barriers::kSoftmaxTurnFirst);
+  }
+  //! Before the first tile the last warpgroup hands the first turns to warpgroup 0.
   CUTE_DEVICE static void start_turns(int warp_group) {
-    if (warp_group == kNumConsumerWarpGroups - 1) pass_turn(warp_group);
+    if (warp_group == kNumConsumerWarpGroups - 1) {
+      pass_turn(warp_group);
+      pass_softmax_turn(warp_group);
+    }
   }
-  //! After the last tile warpgroup 0 absorbs the turn the last warpgroup passed it.
+  //! After the last tile warpgroup 0 absorbs the turns the last warpgroup passed it.
   CUTE_DEVICE static void finish_turns(int warp_group) {
-    if (warp_group == 0) wait_turn(warp_group);
+    if (warp_group == 0) {
+      wait_turn(warp_group);
+      wait_softmax_turn(warp_group);
+    }
   }
 
   //! Consumers: accumulates the unnormalised output of a non-empty tile into tOrO and the
@@ -474,7 +490,9 @@ struct ForwardMainloop {
     prefetch_bias(n_block);
     warpgroup_wait<0>();
     release_k(read_state, n_block);
+    wait_softmax_turn(warp_group);
     softmax_step(std::true_type{}, n_block, cls);
+    pass_softmax_turn(warp_group);
     convert_into(tSrS, tOrP);
     ++read_state;
 
@@ -492,7 +510,9 @@ struct ForwardMainloop {
       prefetch_bias(n_block);
       warpgroup_wait<1>();  // S_j complete; P V may still run
       release_k(read_state, n_block);
+      wait_softmax_turn(warp_group);
       const auto rescale = softmax_step(std::false_type{}, n_block, cls);
+      pass_softmax_turn(warp_group);
       warpgroup_wait<0>();  // P V complete: O may be rescaled and P overwritten
       pipeline_v.consumer_release(v_state);
       if (rescale.needed) scale_rows(o, rescale.factor);

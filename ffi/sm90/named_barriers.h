@@ -6,16 +6,33 @@
 
 #include <cstdint>
 
+#include <cutlass/arch/barrier.h>
+
 namespace jax_flash::sm90 {
 
-enum class ForwardBarrier : uint32_t {
+//! The named barriers a kernel may use past CUTLASS's reserved ones.
+inline constexpr uint32_t kUserNamedBarriers =
+    cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers -
+    cutlass::arch::NamedBarrier::ReservedNamedBarrierCount;
+
+//! The forward's barriers, laid out by its number of consumer warpgroups: each warpgroup's
+//! output store and GEMM-issue turn, the borrowed output buffer, and with kSoftmaxTurns each
+//! warpgroup's softmax turn (three warpgroups leave no room for those).
+template <int kConsumerWarpGroups, bool kSoftmaxTurns>
+struct ForwardBarriers {
   //! + storing group (epilogue_fwd.h): its previous store finished reading its output tile, and
   //! then its threads wrote their O rows there
-  kOutputFirst = 0,
-  kWarpGroupTurnFirst = 3,  //!< + consumer warpgroup index: that warpgroup may issue its GEMMs
+  static constexpr uint32_t kOutputFirst = 0;
+  //! + consumer warpgroup index: that warpgroup may issue its GEMMs
+  static constexpr uint32_t kWarpGroupTurnFirst = kOutputFirst + kConsumerWarpGroups;
   //! Consumers: every warpgroup's GEMMs of the tile are complete, so the K/V stage or the Q tile
   //! that they read may take the output (kernel_traits_fwd.h, kOwnOutputTiles)
-  kOutputBorrowed = 6,
+  static constexpr uint32_t kOutputBorrowed = kWarpGroupTurnFirst + kConsumerWarpGroups;
+  //! + consumer warpgroup index: that warpgroup may run its softmax step
+  static constexpr uint32_t kSoftmaxTurnFirst = kOutputBorrowed + 1;
+  static_assert(kSoftmaxTurnFirst + (kSoftmaxTurns ? kConsumerWarpGroups : 0) <=
+                    kUserNamedBarriers,
+                "the forward's named barriers exceed the hardware's");
 };
 
 enum class BackwardBarrier : uint32_t {
