@@ -83,16 +83,15 @@ struct OnlineSoftmax {
     }
   }
 
-  //! Replaces the rowcol view `s` of a logits block, whose `logits` map takes it to log2
-  //! units, by its unnormalised probabilities; `bound`, where known, stands in for the rows'
-  //! block maxima. Every thread of the warp must call it, with the same bound.known.
-  template <bool kFirst, class TensorS, class Logits>
-  CUTE_DEVICE Rescale<kRows> step(TensorS& s, Logits const& logits, BlockBound bound = {}) {
+  //! The block maxima, in log2 units, of the rows of the rowcol view `s` of a logits block,
+  //! whose `logits` map takes it to log2 units; `bound`, where known, stands in for them.
+  //! Every thread of the warp must call it, with the same bound.known.
+  template <class TensorS, class Logits>
+  CUTE_DEVICE cute::array<float, kRows> block_maxima(TensorS const& s, Logits const& logits,
+                                                     BlockBound bound = {}) const {
     static_assert(decltype(size<0>(s))::value == kRows);
     constexpr int kColumns = decltype(size<1>(s))::value;
-    Rescale<kRows> rescale;
-    bool moved = false;
-    float block_max[kRows];
+    cute::array<float, kRows> block_max;
     // A warp-uniform branch around the reductions, which a known bound saves (one FMNMX per
     // logit and the quad's shuffles).
     if (bound.known) {
@@ -106,6 +105,17 @@ struct OnlineSoftmax {
             MaxOp{}));
       }
     }
+    return block_max;
+  }
+
+  //! Replaces `s` by its unnormalised probabilities, given its block maxima (block_maxima,
+  //! with the same `logits`), and moves the running maxima and sums.
+  template <bool kFirst, class TensorS, class Logits>
+  CUTE_DEVICE Rescale<kRows> exponentiate(TensorS& s, Logits const& logits,
+                                          cute::array<float, kRows> const& block_max) {
+    constexpr int kColumns = decltype(size<1>(s))::value;
+    Rescale<kRows> rescale;
+    bool moved = false;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       // Selects, not branches (rows differ across the warp's quads). The maximum moves on the
