@@ -124,6 +124,11 @@ if any(sum(t.is_default for t in SM90_FORWARD_TILES if t.head_dim == h) != 1
   raise ImportError("kernel_configs.json: every head dim needs exactly one sm90 forward tile "
                     "without preferences (its default)")
 
+if any(t.softmax_turns and t.block_m != 128 for t in SM90_FORWARD_TILES):
+  raise ImportError("kernel_configs.json: softmax_turns needs a tile of two consumer warpgroups "
+                    "(block_m 128): one has no other to take turns with, three leave no named "
+                    "barriers for the turns")
+
 
 def gpu_head_dim_supported(head_dim: int) -> bool:
   """A GPU problem runs on the smallest compiled tile whose head dim covers it."""

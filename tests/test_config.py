@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import pathlib
+import sys
 
 import jax
 import numpy as np
+import pytest
 
 import jax_flash
 from jax_flash import _config, _extension
@@ -51,6 +55,48 @@ def test_config_module_reads_the_json_table():
     assert kernel.combinations == {frozenset(c) for c in entry.get("feature_combinations", ())}
     assert all(len(c) >= 2 and c <= kernel.features for c in kernel.combinations)
   assert _config.GPU_MAX_HEAD_DIM == max(row["head_dim"] for row in table["sm90"]["forward"]["tiles"])
+
+
+def _config_of_table(tmp_path, edit):
+  """jax_flash/_config.py loaded beside a copy of the table changed by edit(table)."""
+  table = _table()
+  edit(table)
+  (tmp_path / "kernel_configs.json").write_text(json.dumps(table))
+  (tmp_path / "_config.py").write_text(pathlib.Path(_config.__file__).read_text())
+  spec = importlib.util.spec_from_file_location("_config_of_table", tmp_path / "_config.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # where its dataclasses look for their module
+  try:
+    spec.loader.exec_module(module)
+  finally:
+    del sys.modules[spec.name]
+  return module
+
+
+def _first_forward_tile(table, where):
+  return next(row for row in table["sm90"]["forward"]["tiles"] if where(row))
+
+
+def _drop_preferences(row):
+  for key in [k for k in row if k.startswith("prefer_")]:
+    del row[key]
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: _first_forward_tile(t, lambda r: r["block_m"] != 128).update(softmax_turns=True),
+     "softmax_turns needs a tile of two consumer warpgroups"),
+    (lambda t: _drop_preferences(_first_forward_tile(t, lambda r: "prefer_causal_up_to" in r)),
+     "exactly one sm90 forward tile without preferences"),
+    (lambda t: t["sm90"]["backward"]["tiles"].pop(), "must cover the same head dims"),
+    (lambda t: t["sm90"]["forward"]["feature_combinations"].append(["softcap", "dropout"]),
+     "a feature combination names a feature"),
+], ids=["turns-off-two-warpgroups", "two-defaults", "head-dims-differ", "unknown-combination"])
+def test_the_table_is_checked_at_import(tmp_path, edit, message):
+  unchanged = _config_of_table(tmp_path, lambda table: None)
+  assert ([dataclasses.asdict(t) for t in unchanged.SM90_FORWARD_TILES] ==
+          [dataclasses.asdict(t) for t in _config.SM90_FORWARD_TILES])
+  with pytest.raises(ImportError, match=message):
+    _config_of_table(tmp_path, edit)
 
 
 def test_kernel_features_route_calls():

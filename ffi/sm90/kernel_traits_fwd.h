@@ -50,7 +50,10 @@ struct ForwardKernelTraits {
   //! issue (kernel_configs.json, softmax_turns): two warpgroups that run their exponentials at
   //! once crowd the special-function unit's queue (MIO throttle), which the turns leave to one
   //! at a time while the other's GEMMs run.
-  static constexpr bool kSoftmaxTurns = Tile::kSoftmaxTurns && kNumConsumerWarpGroups > 1;
+  static constexpr bool kSoftmaxTurns = Tile::kSoftmaxTurns;
+  static_assert(!kSoftmaxTurns || kNumConsumerWarpGroups == 2,
+                "softmax_turns needs a tile of two consumer warpgroups (block_m 128): one has no "
+                "other to take turns with, three leave no named barriers for the turns");
   using Barriers = ForwardBarriers<kNumConsumerWarpGroups, kSoftmaxTurns>;
 
   // setmaxnreg budgets. With three consumer warpgroups the producer takes 32, which leaves each
