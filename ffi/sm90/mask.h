@@ -71,9 +71,29 @@ struct BlockMask {
   //! Masks the rowcol view `s` of the block whose first row and column are row_start and
   //! col_start. With `row_spans` (the batch item's exact segment spans along the rows, see
   //! attention_params.h), also the columns outside each row's span: they hold other ids.
+  //! Each element costs a comparison per side that can cut the block and a select: a block cut
+  //! on one side only (causal rows, or lengths, in either pass) takes the loop that compares
+  //! that side alone.
   template <class TensorS>
   CUTE_DEVICE void apply(TensorS& s, RowVisibility const& vis, int row_start, int col_start,
                          const int32_t* row_spans = nullptr) const {
+    const bool cut_before = vis.lower >= 0 || row_spans != nullptr;
+    const bool cut_after = vis.upper >= 0 || row_spans != nullptr ||
+                           col_start + kCols > vis.col_limit || row_start + kRows > vis.row_limit;
+    if (cut_before && cut_after) {
+      apply_sides<true, true>(s, vis, row_start, col_start, row_spans);
+    } else if (cut_after) {
+      apply_sides<false, true>(s, vis, row_start, col_start, row_spans);
+    } else if (cut_before) {
+      apply_sides<true, false>(s, vis, row_start, col_start, row_spans);
+    }
+  }
+
+  //! apply, comparing the columns against the rows' first visible one where kBefore and
+  //! against their end where kAfter.
+  template <bool kBefore, bool kAfter, class TensorS>
+  CUTE_DEVICE void apply_sides(TensorS& s, RowVisibility const& vis, int row_start,
+                               int col_start, const int32_t* row_spans) const {
     auto coords = coordinates();
     // Bounds are taken relative to the thread's first column, so each comparison is against a
     // compile-time column step: no register per column.
@@ -95,7 +115,9 @@ struct BlockMask {
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
         const int col_step = get<1>(coords(0, c)) - thread_col;  // a constant after folding
-        if (col_step < col_begin || col_step >= col_end) s(r, c) = -INFINITY;
+        if ((kBefore && col_step < col_begin) || (kAfter && col_step >= col_end)) {
+          s(r, c) = -INFINITY;
+        }
       }
     }
   }
