@@ -444,30 +444,29 @@ struct ForwardMainloop {
       }
       constexpr bool kFirst = decltype(first)::value;
       if constexpr (kTurnAtExponents) {
-        // Each warp's cap form picks its logit map; the turn's barrier sits between the
-        // maxima and the exponentials, where every warp of the warpgroup reaches it.
+        // Each warp's cap form picks its logit map (a warp-uniform branch, taken once for the
+        // maxima and once for the exponentials), and with a series the bound that may stand
+        // in for the maxima. The turn's barrier sits between the two, outside the branch, so
+        // that every warp of the warpgroup reaches it at the same instruction.
         const bool rows_visible = kPBoundable && !masked;
-        const auto block_max = [&] {
+        auto with_logit_map = [&](auto&& step) {
           if (capped.form == CapForm::kShortSeries) {
-            return softmax.block_maxima(
-                s, params.softcap.short_series,
-                params.softcap.short_series.bound(capped.largest, rows_visible));
+            const auto& map = params.softcap.short_series;
+            return step(map, map.bound(capped.largest, rows_visible));
           }
           if (capped.form == CapForm::kSeries) {
-            return softmax.block_maxima(
-                s, params.softcap.series,
-                params.softcap.series.bound(capped.largest, rows_visible));
+            const auto& map = params.softcap.series;
+            return step(map, map.bound(capped.largest, rows_visible));
           }
-          return softmax.block_maxima(s, Log2Logits{});
-        }();
+          return step(Log2Logits{}, BlockBound{});
+        };
+        const auto block_max = with_logit_map([&](auto const& map, BlockBound bound) {
+          return softmax.block_maxima(s, map, bound);
+        });
         wait_softmax_turn(warp_group);
-        if (capped.form == CapForm::kShortSeries) {
-          return softmax.template exponentiate<kFirst>(s, params.softcap.short_series, block_max);
-        }
-        if (capped.form == CapForm::kSeries) {
-          return softmax.template exponentiate<kFirst>(s, params.softcap.series, block_max);
-        }
-        return softmax.template exponentiate<kFirst>(s, Log2Logits{}, block_max);
+        return with_logit_map([&](auto const& map, BlockBound) {
+          return softmax.template exponentiate<kFirst>(s, map, block_max);
+        });
       } else {
         return softmax.template exponentiate<kFirst>(s, scaled, softmax.block_maxima(s, scaled));
       }
