@@ -1,10 +1,10 @@
-"""compute-sanitizer (memcheck, racecheck, synccheck) over the Hopper forward and backward kernels
-on small problems of every compiled tile (tests/_sanitizer_driver.py). GPU only; skipped (or failed with
-JAX_FLASH_REQUIRE_GPU=1) without a GPU, and skipped when compute-sanitizer is not installed."""
+"""compute-sanitizer (memcheck, racecheck, synccheck) over the Hopper forward and backward
+kernels on small problems of every compiled tile (tests/_sanitizer_driver.py), one test per
+tool and case. GPU only; skipped (or failed with JAX_FLASH_REQUIRE_GPU=1) without a GPU, and
+skipped when compute-sanitizer is not installed."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import pathlib
 import shutil
@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 import _sanitizer_driver
@@ -62,8 +63,8 @@ STALL_ATTEMPTS = 2
 
 
 def _run_case(sanitizer: str, tool: str, index: int, attempts: int = CRASH_ATTEMPTS,
-              stall_attempts: int = STALL_ATTEMPTS) -> tuple[int, str | None]:
-  """Runs one driver case under one tool; returns (index, failure report or None). A run in
+              stall_attempts: int = STALL_ATTEMPTS) -> str | None:
+  """Runs one driver case under one tool; returns its failure report, or None if clean. A run in
   which the tool itself crashed is repeated, up to CRASH_ATTEMPTS runs in all, and one that
   timed out up to STALL_ATTEMPTS."""
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
@@ -78,7 +79,7 @@ def _run_case(sanitizer: str, tool: str, index: int, attempts: int = CRASH_ATTEM
     if stall_attempts > 1:
       return _run_case(sanitizer, tool, index, attempts, stall_attempts - 1)
     output = e.stdout if isinstance(e.stdout, str) else (e.stdout or b"").decode(errors="replace")
-    return index, (f"timed out after {CASE_TIMEOUT_S:.0f} s in each of {STALL_ATTEMPTS} runs:\n"
+    return (f"timed out after {CASE_TIMEOUT_S:.0f} s in each of {STALL_ATTEMPTS} runs:\n"
                    f"{output[-3000:]}")
   output = proc.stdout
   if attempts > 1 and _tool_crashed(proc.returncode, output):
@@ -86,22 +87,43 @@ def _run_case(sanitizer: str, tool: str, index: int, attempts: int = CRASH_ATTEM
   ok = (proc.returncode == 0 and CLEAN_SUMMARY[tool] in output
         and output.count(f"ok {index} ") == 1)
   elapsed = time.monotonic() - start
-  return index, None if ok else f"exit status {proc.returncode} after {elapsed:.0f} s:\n{output[-6000:]}"
+  return None if ok else f"exit status {proc.returncode} after {elapsed:.0f} s:\n{output[-6000:]}"
 
 
+def _case_id(index: int, case: dict) -> str:
+  """A readable test id for driver case `index`: its head dim, dtype and features, so that
+  pytest -k selects by them (e.g. -k "synccheck and softcap")."""
+  parts = [str(index), f"h{case['H']}", np.dtype(case["dtype"]).name]
+  if case["is_causal"]:
+    parts.append("causal")
+  if case.get("deterministic"):
+    parts.append("deterministic")
+  for name in ("window", "softcap"):
+    if case.get(name) is not None:
+      parts.append(name)
+  for name in ("lengths", "segments", "mask", "bias"):
+    if case.get(name):
+      parts.append(f"{name}={case[name]}")
+  if "T" in case:
+    parts.append(f"T={case['T']}")
+  return "-".join(parts)
+
+
+CASES = list(_sanitizer_driver.cases())
+
+
+# One test per tool and case, each a process of its own: the cases are independent and each is
+# mostly host time (compiling, and the sanitizer patching every module loaded), so pytest-xdist
+# spreads them over the cores (.ci/gpu: one worker per core; more only slow them all), a
+# partial run still reports the cases it finished, and -k picks cases by tool and feature.
 @pytest.mark.gpu
+@pytest.mark.parametrize("index", range(len(CASES)),
+                         ids=[_case_id(i, case) for i, case in enumerate(CASES)])
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
-def test_kernels_are_clean_under_compute_sanitizer(tool):
+def test_kernel_is_clean_under_compute_sanitizer(tool, index):
   require_gpu()
   sanitizer = _sanitizer()
   if sanitizer is None:
     pytest.skip("compute-sanitizer not found")
-  cases = list(_sanitizer_driver.cases())
-  # One process per case, in parallel: the cases are independent and each is mostly host time
-  # (compiling, and the sanitizer patching every module loaded). .ci/gpu runs the three tools
-  # at once, so each takes a third of the cores; more processes than cores only slow them all.
-  workers = max(1, min(len(cases), (os.cpu_count() or 3) // 3))
-  with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-    results = list(pool.map(lambda i: _run_case(sanitizer, tool, i), range(len(cases))))
-  failures = [f"case {i} {cases[i]}: {report}" for i, report in results if report is not None]
-  assert not failures, f"{tool}:\n" + "\n\n".join(failures)
+  report = _run_case(sanitizer, tool, index)
+  assert report is None, f"{tool}, case {index} {CASES[index]}: {report}"
