@@ -256,6 +256,25 @@ class Backward {
     A* row_sums;    //!< fused pass, dbias summed over keys: T sums of dS of head g, or nullptr
   };
 
+  //! The tiles both passes take from the thread's workspace (slots 1-8 and 11); the fused
+  //! pass's own (knat, dq, row_sums) start unset.
+  KeyTiles WorkspaceTiles(Workspace& ws, bool dbias_here) const {
+    KeyTiles t;
+    t.kt = ws.Get<A>(1, pr_.H * L);
+    t.vt = ws.Get<A>(2, pr_.H * L);
+    t.s = ws.Get<A>(3, kRowBlock * L);
+    t.dp = ws.Get<A>(4, kRowBlock * L);
+    t.sq = ws.Get<A>(5, kRowBlock * pr_.H);
+    t.do_rows = ws.Get<A>(6, kRowBlock * pr_.H);
+    t.row_buffer = ws.Get<A>(7, pr_.H);
+    t.dbias = dbias_here ? ws.Get<A>(8, rows_dbias_ * L) : nullptr;
+    t.dtanh = capped_ ? ws.Get<A>(11, kRowBlock * L) : nullptr;
+    t.knat = nullptr;
+    t.dq = nullptr;
+    t.row_sums = nullptr;
+    return t;
+  }
+
   void KeyItem(int64_t item, Workspace& ws) const {
     const int64_t group = item / nkb_;
     const int64_t rank = item % nkb_;
@@ -273,19 +292,7 @@ class Backward {
     const int64_t live = member_outer ? 1 : members;
 
     A* acc = ws.Get<A>(0, live * 2 * H * L);  // per live member: dK^T then dV^T, H x L each
-    KeyTiles t;
-    t.kt = ws.Get<A>(1, H * L);
-    t.vt = ws.Get<A>(2, H * L);
-    t.s = ws.Get<A>(3, kRowBlock * L);
-    t.dp = ws.Get<A>(4, kRowBlock * L);
-    t.sq = ws.Get<A>(5, kRowBlock * H);
-    t.do_rows = ws.Get<A>(6, kRowBlock * H);
-    t.row_buffer = ws.Get<A>(7, H);
-    t.dbias = dbias_here ? ws.Get<A>(8, rows_dbias_ * L) : nullptr;
-    t.dtanh = capped_ ? ws.Get<A>(11, kRowBlock * L) : nullptr;
-    t.knat = nullptr;
-    t.dq = nullptr;
-    t.row_sums = nullptr;
+    KeyTiles t = WorkspaceTiles(ws, dbias_here);
     if (dbias_here) std::fill(t.dbias, t.dbias + rows_dbias_ * L, A(0));
     std::fill(acc, acc + live * 2 * H * L, A(0));
 
@@ -412,16 +419,7 @@ class Backward {
     const int64_t b = member_b_[member], kvh = member_kvh_[member];
     const bool dbias_here = mode_ == DbiasMode::kColumns;
     A* acc = ws.Get<A>(0, 2 * H * L);
-    KeyTiles t;
-    t.kt = ws.Get<A>(1, H * L);
-    t.vt = ws.Get<A>(2, H * L);
-    t.s = ws.Get<A>(3, kRowBlock * L);
-    t.dp = ws.Get<A>(4, kRowBlock * L);
-    t.sq = ws.Get<A>(5, kRowBlock * H);
-    t.do_rows = ws.Get<A>(6, kRowBlock * H);
-    t.row_buffer = ws.Get<A>(7, H);
-    t.dbias = dbias_here ? ws.Get<A>(8, rows_dbias_ * L) : nullptr;
-    t.dtanh = capped_ ? ws.Get<A>(11, kRowBlock * L) : nullptr;
+    KeyTiles t = WorkspaceTiles(ws, dbias_here);
     t.knat = ws.Get<A>(9, L * padded_h_);
     A* dq = ws.Get<A>(10, G * T * padded_h_);
     std::fill(dq, dq + G * T * padded_h_, A(0));
