@@ -80,7 +80,7 @@ def _run_case(sanitizer: str, tool: str, index: int, attempts: int = CRASH_ATTEM
       return _run_case(sanitizer, tool, index, attempts, stall_attempts - 1)
     output = e.stdout if isinstance(e.stdout, str) else (e.stdout or b"").decode(errors="replace")
     return (f"timed out after {CASE_TIMEOUT_S:.0f} s in each of {STALL_ATTEMPTS} runs:\n"
-                   f"{output[-3000:]}")
+            f"{output[-3000:]}")
   output = proc.stdout
   if attempts > 1 and _tool_crashed(proc.returncode, output):
     return _run_case(sanitizer, tool, index, attempts - 1, stall_attempts)
