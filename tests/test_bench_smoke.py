@@ -48,3 +48,36 @@ def test_tiny_transformer_trains_two_steps(tmp_path):
   saved = json.loads((tmp_path / "transformer_cpu.json").read_text())
   assert saved["results"]["jax_flash"]["losses"] == results["jax_flash"]["losses"]
   assert elapsed < 120, f"the smoke run took {elapsed:.0f} s"
+
+
+def test_ab_builds_times_two_builds_and_restores_the_installed_one(tmp_path):
+  """bench/ab_builds.py over two copies of the installed extension module: every row of each
+  build and round is timed, b/a and the peer ratios come out, and the installed module is
+  the same file afterwards (it was replaced by each copy in turn)."""
+  import hashlib
+  import shutil
+
+  spec = importlib.util.spec_from_file_location("ab_builds", SCRIPT.with_name("ab_builds.py"))
+  ab = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(ab)
+  installed = ab.installed_module()
+  before = hashlib.sha256(installed.read_bytes()).hexdigest()
+  builds = [tmp_path / name for name in ("a.so", "b.so")]
+  for build in builds:
+    shutil.copyfile(installed, build)
+  data = ab.main(["--a", str(builds[0]), "--b", str(builds[1]), "--rounds", "2", "--peer", "xla",
+                  "--out", str(tmp_path / "out"), "bench_attention.py", "--platform", "cpu",
+                  "--grid", "smoke", "--impls", "jax_flash,xla", "--iterations", "1",
+                  "--warmup", "0", "--no-plot"])
+  assert hashlib.sha256(installed.read_bytes()).hexdigest() == before
+  assert not list(installed.parent.glob(".ab_*"))
+  assert [(r["round"], r["build"]) for r in data["runs"]] == [(1, "a"), (1, "b"), (2, "b"),
+                                                              (2, "a")]
+  rows = data["rows"]
+  assert [r["label"].split()[3] for r in rows] == ["full", "causal"]  # the smoke grid's cells
+  for row in rows:
+    assert row["impl"] == "jax_flash" and row["peer"] == "xla"
+    for key in ("a", "b", "b_over_a", "a_over_peer", "b_over_peer"):
+      assert len(row[key]) == 2 and all(v is not None and v > 0 for v in row[key]), (key, row)
+  saved = json.loads((tmp_path / "out" / "ab_builds.json").read_text())
+  assert saved["rows"] == rows
