@@ -109,7 +109,7 @@ def run_bench(bench: str, bench_args: list[str], out: Path) -> dict:
   # By path: the bench's own directory goes first on sys.path, the source tree's package not.
   command = [sys.executable, str(HERE / bench), *bench_args, "--out", str(out)]
   subprocess.run(command, check=True)
-  found = [p for p in out.glob("*.json") if not p.name.endswith(".tmp")]
+  found = list(out.glob("*.json"))  # (a partial write is *.json.tmp)
   if len(found) != 1:
     raise RuntimeError(f"{bench} wrote {len(found)} JSON files under {out}, expected one")
   return json.loads(found[0].read_text())
