@@ -20,6 +20,7 @@
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/detail/helper_macros.hpp>
 
 #include "block_range.h"
 #include "mask.h"
@@ -410,7 +411,9 @@ struct ForwardMainloop {
     // block that masks nothing, the series' bound on the capped logits stands in for the row
     // maxima where P is bfloat16 (BlockBound: float16 would lose the exactness of P at the
     // bound's distance from them).
-    auto probabilities = [&](auto first, int n_block, MaskBlock cls) {
+    // This step and the next are inlined by force: under a cap with a bias, the compiler made
+    // them calls, which kept S in local memory and serialised every wgmma (ptxas C7514).
+    auto probabilities = [&](auto first, int n_block, MaskBlock cls) CUTLASS_LAMBDA_FUNC_INLINE {
       [[maybe_unused]] CappedBlock capped{CapForm::kExp, 0.f};
       if constexpr (Traits::kSoftcap && Traits::kBias) {
         params.softcap.template apply<kSoftcapReciprocalOnFma<Traits::kHeadDim>>(s);
@@ -471,7 +474,7 @@ struct ForwardMainloop {
         return softmax.template exponentiate<kFirst>(s, scaled, softmax.block_maxima(s, scaled));
       }
     };
-    auto softmax_step = [&](auto first, int n_block, MaskBlock cls) {
+    auto softmax_step = [&](auto first, int n_block, MaskBlock cls) CUTLASS_LAMBDA_FUNC_INLINE {
       if constexpr (!kTurnAtExponents) wait_softmax_turn(warp_group);
       const auto rescale = probabilities(first, n_block, cls);
       pass_softmax_turn(warp_group);
