@@ -251,13 +251,13 @@ class Backward {
     A* do_rows;     //!< dO rows: kRowBlock x H
     A* row_buffer;  //!< H
     A* dbias;       //!< dbias columns of the block (rows_dbias_ x L) or nullptr
-    A* knat;        //!< fused pass: K rows of the block, L x padded_h_ (zero padded), or nullptr
-    A* dq;          //!< fused pass: dQ accumulators of query head g, T x padded_h_, or nullptr
-    A* row_sums;    //!< fused pass, dbias summed over keys: T sums of dS of head g, or nullptr
+    A* knat = nullptr;      //!< fused pass: K rows of the block, L x padded_h_ (zero padded)
+    A* dq = nullptr;        //!< fused pass: dQ accumulators of query head g, T x padded_h_
+    A* row_sums = nullptr;  //!< fused pass, dbias summed over keys: T sums of dS of head g
   };
 
   //! The tiles both passes take from the thread's workspace (slots 1-8 and 11); the fused
-  //! pass's own (knat, dq, row_sums) start unset.
+  //! pass's own (knat, dq, row_sums) stay nullptr until it sets them.
   KeyTiles WorkspaceTiles(Workspace& ws, bool dbias_here) const {
     KeyTiles t;
     t.kt = ws.Get<A>(1, pr_.H * L);
@@ -269,9 +269,6 @@ class Backward {
     t.row_buffer = ws.Get<A>(7, pr_.H);
     t.dbias = dbias_here ? ws.Get<A>(8, rows_dbias_ * L) : nullptr;
     t.dtanh = capped_ ? ws.Get<A>(11, kRowBlock * L) : nullptr;
-    t.knat = nullptr;
-    t.dq = nullptr;
-    t.row_sums = nullptr;
     return t;
   }
 
