@@ -42,9 +42,11 @@ MAX_PACKED_ROWS = 64
 CHUNK_QUANTUM = 128
 MIN_CHUNK = 256
 LONG_CHUNK = 1024
-#: Split while the doubled split still gives at most this many CTAs per SM (B = 8, S = 4096:
-#: 4 splits, 256 CTAs, 43 us; 8 splits, 512 CTAs, 48 us).
-CTAS_PER_SM = 2
+#: Split while the doubled split still gives at most this many CTAs per SM: one round of
+#: tiles. A second round of the persistent grid costs more than it spreads (H200, N = 32,
+#: K = 8, H = 128: B = 1, S = 131072: 16 splits 123.0 us, 32 splits 127.5; B = 8, S = 4096:
+#: 2 splits 37.2 us, 4 splits 39.9, 8 splits 40.2).
+CTAS_PER_SM = 1
 _DEFAULT_SMS = 132  # an H100/H200, where the device does not say
 
 

@@ -79,14 +79,14 @@ def test_heads_major_forward_call_equals_the_plain_call(window):
 
 
 def test_plan_splits_until_the_gpu_is_full():
-  # Split (doubling) while the doubled split gives at most 2 x 132 CTAs and chunks of at
-  # least S / 16 keys within [256, 1024].
+  # Split (doubling) while the doubled split gives at most 132 CTAs (one per SM) and chunks of
+  # at least S / 16 keys within [256, 1024].
   assert _split_kv.plan((1, 1, 16, 128), (1, 65536, 2, 128), PLAIN, False, 132) == \
       _split_kv.Plan(groups=8, splits=64)  # chunks of 1024
   assert _split_kv.plan((1, 4, 16, 128), (1, 8192, 2, 128), PLAIN, False, 132) == \
       _split_kv.Plan(groups=8, splits=16)  # chunks of 512 = S / 16
   assert _split_kv.plan((4, 1, 16, 128), (4, 8192, 8, 128), PLAIN, False, 132) == \
-      _split_kv.Plan(groups=2, splits=8)  # 256 CTAs
+      _split_kv.Plan(groups=2, splits=4)  # 128 CTAs
   assert _split_kv.plan((1, 1, 32, 128), (1, 4096, 8, 128), PLAIN, False, 132) == \
       _split_kv.Plan(groups=4, splits=16)  # chunks of 256
   # Enough items already: only the packing.
