@@ -27,17 +27,29 @@ def _inputs(B, T, S, N, K, H, dtype, seed=0):
   return q, k, v
 
 
+_INT32_MAX, _INT32_MIN = np.iinfo(np.int32).max, np.iinfo(np.int32).min
+#: Query and key/value lengths of the three items: ragged (an item without keys, one ending
+#: inside a chunk, one without queries), or the int32 extremes (beyond the axis: all of it;
+#: below 0: none of it), which the packing's and the chunks' arithmetic must not wrap around:
+#: an item that sees everything, one query row without keys, an item without queries.
+LENGTHS = {"none": None,
+           "ragged": (lambda T, S: [T, T - 1, 0], lambda T, S: [0, 300, S]),
+           "extremes": (lambda T, S: [_INT32_MAX, 1, _INT32_MIN],
+                        lambda T, S: [_INT32_MAX, _INT32_MIN, S + 1])}
+
+
 @pytest.mark.parametrize("groups,splits", [(1, 2), (4, 1), (4, 8), (2, 4)])
-@pytest.mark.parametrize("lengths", [False, True])
+@pytest.mark.parametrize("lengths", list(LENGTHS))
 @pytest.mark.parametrize("T", [3, 1])
 def test_split_and_packed_forward_equals_the_plain_call(groups, splits, lengths, T):
   """The transformation around the CPU kernel gives the plain call's output and log-sum-exp,
-  with ragged lengths (an item without keys, one ending inside a chunk, one without queries).
-  One query row takes the kernel's heads-major layout, more rows the transposed query."""
+  without lengths, with ragged ones and with the int32 extremes (LENGTHS). One query row takes
+  the kernel's heads-major layout, more rows the transposed query."""
   B, S, K, H = 3, 1024, 2, 16
   q, k, v = _inputs(B, T, S, K * groups, K, H, jnp.float32)
-  q_len = jnp.asarray([T, T - 1, 0], jnp.int32) if lengths else None
-  kv_len = jnp.asarray([0, 300, S], jnp.int32) if lengths else None
+  q_len = kv_len = None
+  if LENGTHS[lengths] is not None:
+    q_len, kv_len = (jnp.asarray(f(T, S), jnp.int32) for f in LENGTHS[lengths])
   call = functools.partial(_primitive._forward_call, PLAIN)
   want_out, want_lse = jax.jit(call)(q, k, v, None, None, q_len, kv_len, None, None)
   layouts = []
