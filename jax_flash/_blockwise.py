@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _config, _varying
+from . import _config, _validation, _varying
 
 # Rows whose saved lse has at least this magnitude get P renormalised in the backward: from there
 # on, the rounding of lse alone (half an ulp) shifts every exp(S - lse) of the row by 64 units of
@@ -110,7 +110,7 @@ class _Plan:
     S, K = k.shape[1], k.shape[2]
     self.B, self.T, self.N, self.H, self.S, self.K = B, T, N, H, S, K
     self.G = N // K
-    self.config = config
+    self.config = config = _validation.windows_within(config, T, S)
     self.acc = _config.accumulation_dtype(q.dtype)
     self.s_eff = _visited_keys(config, T, S)
     if block_k is None:

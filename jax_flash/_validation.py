@@ -31,6 +31,18 @@ class AttentionConfig:
   softcap: float = 0.0  # > 0: scaled logits x become softcap * tanh(x / softcap); 0: off
 
 
+def windows_within(config: AttentionConfig, T: int, S: int) -> AttentionConfig:
+  """`config` for a call of T queries and S keys, with the windows that cut nothing there
+  unbounded (-1), so that index arithmetic on them cannot overflow. The kernels' rule: query i
+  sees key j where i - left <= j <= i + right, so left >= T and right >= S cut nothing. (The FFI
+  handlers apply the same rule to the windows they are given.)"""
+  left = -1 if config.window_left >= T else config.window_left
+  right = -1 if config.window_right >= S else config.window_right
+  if (left, right) == (config.window_left, config.window_right):
+    return config
+  return dataclasses.replace(config, window_left=left, window_right=right)
+
+
 @dataclasses.dataclass
 class CanonicalCall:
   """A validated call: q/k/v rank 4 (B, T|S, N|K, H); bias/mask rank 4; seq lengths (B,) int32;
@@ -138,6 +150,11 @@ def _segment_ids(query_segment_ids, key_value_segment_ids, batch: int, T: int, S
                              unbatched))
 
 
+#: Window sides past this cut nothing in any call (no sequence is this long); larger ones are
+#: taken as this, so that they fit the FFI handlers' int64 attributes.
+_MAX_WINDOW = 2**62
+
+
 def _window(local_window_size, is_causal: bool) -> tuple[int, int]:
   left = right = -1
   if local_window_size is not None:
@@ -150,6 +167,7 @@ def _window(local_window_size, is_causal: bool) -> tuple[int, int]:
     left, right = (int(w) for w in pair)
     if left < 0 or right < 0:
       raise ValueError(f"local_window_size must be non-negative, got {local_window_size!r}")
+    left, right = min(left, _MAX_WINDOW), min(right, _MAX_WINDOW)
   if is_causal:
     right = 0
   return left, right

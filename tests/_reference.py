@@ -48,10 +48,13 @@ def rank4(x: np.ndarray) -> np.ndarray:
   return x.reshape((1,) * (4 - x.ndim) + x.shape)
 
 
-def window_pair(window):
+def window_pair(window, T: int, S: int):
+  """(left, right) or None. Sides past both sequences cut nothing; they come as T + S, so that
+  integer arithmetic on them (numpy's int64, jax.nn's int32) cannot overflow."""
   if window is None:
     return None
-  return (window, window) if isinstance(window, int) else tuple(window)
+  pair = (window, window) if isinstance(window, int) else tuple(window)
+  return tuple(min(side, T + S) for side in pair)
 
 
 def visibility(B, N, T, S, *, mask=None, is_causal=False, window=None, q_lens=None,
@@ -66,7 +69,7 @@ def visibility(B, N, T, S, *, mask=None, is_causal=False, window=None, q_lens=No
     vis &= np.broadcast_to(rank4(np.asarray(mask, bool)), (B, N, T, S))
   if is_causal:
     vis &= (j <= i)
-  pair = window_pair(window)
+  pair = window_pair(window, T, S)
   if pair is not None:
     left, right = pair
     vis &= (i - left <= j) & (j <= i + right)
@@ -107,12 +110,13 @@ def xla_function(dtype, *, scale=None, is_causal=False, window=None, implementat
   xla = _xla_eager if np.dtype(dtype) == np.float16 else _xla_jit
 
   def f(q, k, v, bias=None, mask=None, q_lens=None, kv_lens=None):
+    pair = window_pair(window, q.shape[-3], k.shape[-3])
     return xla(cast(q), cast(k), cast(v), cast(bias),
                 None if mask is None else jnp.asarray(mask),
                 None if q_lens is None else jnp.asarray(q_lens, jnp.int32),
                 None if kv_lens is None else jnp.asarray(kv_lens, jnp.int32),
-                scale=scale, is_causal=is_causal, window=window_pair(window),
-                implementation=implementation, return_residual=return_residual)
+                scale=scale, is_causal=is_causal, window=pair, implementation=implementation,
+                return_residual=return_residual)
 
   return f
 

@@ -79,6 +79,9 @@ CASES = {
     "long_kv_default_block_row_bias": Case(1, 7, 1000, 4, 2, 8, bias="11x1", mask="111x"),
     "band_lengths_zero_and_over": Case(4, 33, 70, 4, 2, 8, (3, 3), bias="xxxx",
                                        q_len=(0, 20, 40, 33), kv_len=(70, 0, 100, 35), block_k=16),
+    # Windows past int32 cut nothing: the block arithmetic must not take them as int32.
+    "windows_past_int32": Case(2, 65, 127, 4, 2, 8, (2**40, 2**31 - 1), bias="1x1x",
+                               kv_len=(127, 50), block_k=16),
 }
 DTYPE_CASE = Case(2, 65, 127, 4, 2, 16, (-1, 0), bias="x1xx", mask="1x1x", kv_len=(127, 50),
                   block_k=16)

@@ -43,7 +43,10 @@ def test_causal_with_more_queries_than_keys_sees_every_key_from_row_s(platform):
   np.testing.assert_array_equal(out[:, 0], inp.v[:, 0])
 
 
-WINDOWS = [0, 3, (5, 0), (0, 5), (16, 3), (2, 40), (1000, 1000)]
+#: The last four reach past int32 (the last past int64): windows that cut nothing are unbounded
+#: whatever their size.
+WINDOWS = [0, 3, (5, 0), (0, 5), (16, 3), (2, 40), (1000, 1000), (2**40, 0), (3, 2**33),
+           (2**31 - 1, 2**31 - 1), (2**70, 1)]
 
 
 @pytest.mark.parametrize("window", WINDOWS, ids=str)

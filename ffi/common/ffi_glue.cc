@@ -224,8 +224,11 @@ Status DescribeInputs(const AttentionAttrs& attrs, const BatchShape& batch,
   }
   p->options.scale = attrs.scale;
   p->options.softcap = attrs.softcap;
-  p->options.window_left = attrs.window_left;
-  p->options.window_right = attrs.window_right;
+  // Windows that cut nothing become unbounded (-1), so that the kernels' index arithmetic on
+  // them (32-bit on the GPU) never overflows: query i sees key j where
+  // i - left <= j <= i + right, so left >= T and right >= S cut nothing.
+  p->options.window_left = attrs.window_left >= s.seqlen_q ? -1 : attrs.window_left;
+  p->options.window_right = attrs.window_right >= s.seqlen_k ? -1 : attrs.window_right;
 
   if (attrs.has_mask_blocks && attrs.has_mask) {
     return Status::InvalidArgument("jax_flash: a mask comes as the array (the CPU kernels) or as "

@@ -35,15 +35,7 @@ struct Problem {
         G(params.shape.num_heads / params.shape.num_kv_heads),
         nb(params.shape.batch.count()),
         dtype(params.shape.dtype),
-        options(Normalized(params.options, T, S)) {}
-
-  //! Windows that cannot cut anything become unbounded (-1), so that the index arithmetic on
-  //! them never overflows.
-  static AttentionOptions Normalized(AttentionOptions o, int64_t T, int64_t S) {
-    if (o.window_left >= T) o.window_left = -1;    // j >= i - left holds for every i < T
-    if (o.window_right >= S) o.window_right = -1;  // j <= i + right holds for every j < S
-    return o;
-  }
+        options(params.options) {}
 
   //! Offset of element (row, head, 0) of batch item b of a (batch..., rows, heads, H) operand.
   int64_t RowOffset(const Operand& op, int64_t b, int64_t row, int64_t head) const {
@@ -68,7 +60,7 @@ struct Problem {
   const BatchShape& batch;
   const int64_t T, S, N, K, H, G, nb;
   const ElementType dtype;
-  const AttentionOptions options;  //!< windows normalised; use instead of p.options
+  const AttentionOptions options;  //!< the call's (windows that cut nothing come as -1)
 };
 
 //! Converted, scaled copy of rows [row0, row0 + rows) of head `head` of a (batch..., rows,
