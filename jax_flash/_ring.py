@@ -198,10 +198,11 @@ def _permute_chunks(x, order, count: int, axis: int):
 
 
 def _slice_lengths(lengths, start, size: int):
-  """Global lengths as lengths within the `size` rows from global row `start` (None: all)."""
+  """Global lengths as lengths within the `size` rows from global row `start` (None: all). A
+  negative length is none (clipped first: subtracting `start` must not wrap around int32)."""
   if lengths is None:
     return None
-  return jnp.clip(lengths - start, 0, size).astype(jnp.int32)
+  return jnp.clip(jnp.maximum(lengths, 0) - start, 0, size).astype(jnp.int32)
 
 
 def _merge(out, lse, block_out, block_lse):

@@ -105,7 +105,8 @@ else:
     bias_spec: tuple = ()
     mask: str | None = None
     mask_spec: tuple = ()
-    lengths: bool = False
+    # True: ragged lengths; "extremes": int32's (an item without rows, one without keys).
+    lengths: bool | str = False
     segments: bool = False  # packed rows: sorted segment ids, sharded with the batch
     is_causal: bool = True
     explicit: bool = False
@@ -381,7 +382,8 @@ else:
     outer: int = 1
     outer_heads: bool = False
     is_causal: bool = False
-    lengths: bool = False
+    # True: ragged lengths; "extremes": int32's (an item without rows, one without keys).
+    lengths: bool | str = False
     N: int = 4
     K: int = 4
     B: int = 2
@@ -420,6 +422,7 @@ else:
       # between query and key positions, and the window cuts chunks in their middle.
       RingSetup("ring-4-causal-window", 4, is_causal=True, window=(13, 0)),
       RingSetup("ring-4-window-two-sided-lengths", 4, window=(7, 9), lengths=True),
+      RingSetup("ring-4-int32-extreme-lengths", 4, lengths="extremes"),
       RingSetup("ring-8-causal-t-neq-s-gqa", 8, is_causal=True, T=24, S=56, N=4, K=2),
       RingSetup("ring-4-window-t-neq-s", 4, window=(6, 11), T=24, S=40),
       RingSetup("ring-2-zigzag-causal-window-gqa-segments", 2, is_causal=True, window=(9, 0),
@@ -466,7 +469,10 @@ else:
     v = jnp.asarray(rng.standard_normal((s.B, s.S, s.K, HEAD_DIM)), DTYPE)
     dout = jnp.asarray(rng.standard_normal(q.shape), DTYPE)
     dlse = jnp.asarray(rng.standard_normal((s.B, s.T, s.N)) * 0.1, jnp.float32)
-    if s.lengths:  # one short item (rows past it are padding), ends inside a middle chunk
+    if s.lengths == "extremes":  # the chunks' arithmetic must not wrap around int32
+      q_len = jnp.asarray([np.iinfo(np.int32).min, np.iinfo(np.int32).max], jnp.int32)
+      kv_len = jnp.asarray([np.iinfo(np.int32).max, np.iinfo(np.int32).min], jnp.int32)
+    elif s.lengths:  # one short item (rows past it are padding), ends inside a middle chunk
       q_len = jnp.asarray([s.T, s.T // 2 + 1], jnp.int32)
       kv_len = jnp.asarray([s.S // 3, s.S], jnp.int32)
     else:
