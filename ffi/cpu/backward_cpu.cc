@@ -74,7 +74,7 @@ class Backward {
   explicit Backward(const BackwardParams& params)
       : bp_(params), p_(params.fwd), pr_(params.fwd), nqb_(CeilDiv(pr_.T, L)),
         nkb_(CeilDiv(pr_.S, L)) {
-    const AttentionOptions& o = pr_.options;
+    const AttentionOptions& o = p_.options;
     capped_ = SoftCap<A>(pr_) > A(0);
     causal_like_ = o.window_right >= 0 && o.window_left < 0;
     anticausal_like_ = o.window_left >= 0 && o.window_right < 0;
@@ -209,7 +209,7 @@ class Backward {
     const int64_t H = pr_.H;
     const int64_t kv_len = SeqLen(p_.kv_seqlens, pr_.batch, b, pr_.S);
     int64_t jlo = 0, jhi = 0;
-    KeyRange(pr_.options, i0, i0 + ni, kv_len, &jlo, &jhi);
+    KeyRange(p_.options, i0, i0 + ni, kv_len, &jlo, &jhi);
     IntersectSpans(p_.kv_span, pr_.batch, b, i0, i0 + ni, &jlo, &jhi);
     A* qt = ws.Get<A>(2, H * L);
     A* st = ws.Get<A>(3, kKeyBlock * L);
@@ -219,7 +219,7 @@ class Backward {
     for (int64_t i = 0; i < L; ++i) {
       lanes[i] = i < ni ? lse_[RowIndex(b, n, i0 + i)] : std::numeric_limits<A>::infinity();
     }
-    PackTransposed<A>(pr_, p_.q, b, i0, ni, n, static_cast<A>(pr_.options.scale), row_buffer, qt);
+    PackTransposed<A>(pr_, p_.q, b, i0, ni, n, static_cast<A>(p_.options.scale), row_buffer, qt);
     V sum[4] = {};
     const int64_t kvh = n / pr_.G;
     for (int64_t j0 = jlo; j0 < jhi; j0 += kKeyBlock) {
@@ -333,7 +333,7 @@ class Backward {
     const int64_t nj = std::min<int64_t>(own, kv_len - j0);
     if (nj <= 0) return;
     int64_t ilo = 0, ihi = 0;
-    QueryRange(pr_.options, j0, j0 + nj, q_len, &ilo, &ihi);
+    QueryRange(p_.options, j0, j0 + nj, q_len, &ilo, &ihi);
     IntersectSpans(p_.q_span, pr_.batch, b, j0, j0 + nj, &ilo, &ihi);
     if (ilo >= ihi) return;
     if (!*packed) {
@@ -348,7 +348,7 @@ class Backward {
       }
       *packed = true;
     }
-    const A scale = static_cast<A>(pr_.options.scale);
+    const A scale = static_cast<A>(p_.options.scale);
     for (int64_t i0 = ilo; i0 < ihi; i0 += kRowBlock) {
       const int64_t ni = std::min<int64_t>(kRowBlock, ihi - i0);
       CopyRows<A>(pr_, p_.q, b, i0, ni, n, scale, t.sq);
@@ -439,7 +439,7 @@ class Backward {
       if (dbias_here && heads_reduced_) WriteDbiasColumns(member, 0, j0, own, t.dbias);
       WriteKeyGradients(member, j0, own, acc, acc + H * L);
     }
-    const A scale = static_cast<A>(pr_.options.scale);
+    const A scale = static_cast<A>(p_.options.scale);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t n = kvh * G + g;
       const A* src = dq + g * T * padded_h_;
@@ -494,7 +494,7 @@ class Backward {
     const int64_t ni = std::clamp<int64_t>(q_len - i0, 0, rows);
     int64_t jlo = 0, jhi = 0;
     if (ni > 0) {
-      KeyRange(pr_.options, i0, i0 + ni, kv_len, &jlo, &jhi);
+      KeyRange(p_.options, i0, i0 + ni, kv_len, &jlo, &jhi);
       IntersectSpans(p_.kv_span, pr_.batch, b, i0, i0 + ni, &jlo, &jhi);
     }
 
@@ -511,7 +511,7 @@ class Backward {
       A* row_buffer = ws.Get<A>(7, H);
       A* lanes = ws.Get<A>(8, 3 * L);  // lse, D and norm, per lane
       A* dtanh = capped_ ? ws.Get<A>(9, kKeyBlock * L) : nullptr;
-      PackTransposed<A>(pr_, p_.q, b, i0, ni, n, static_cast<A>(pr_.options.scale), row_buffer, qt);
+      PackTransposed<A>(pr_, p_.q, b, i0, ni, n, static_cast<A>(p_.options.scale), row_buffer, qt);
       PackTransposed<A>(pr_, bp_.dout, b, i0, ni, n, A(1), row_buffer, dot);
       for (int64_t i = 0; i < L; ++i) {
         lanes[i] = i < ni ? lse_[RowIndex(b, n, i0 + i)] : std::numeric_limits<A>::infinity();
@@ -542,7 +542,7 @@ class Backward {
         Gemm<A>(dqt, L, H, k_rows, 1, H, dpt, L, nk, true);
       }
     }
-    const A scale = static_cast<A>(pr_.options.scale);
+    const A scale = static_cast<A>(p_.options.scale);
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t o = pr_.RowOffset(bp_.dq, b, i0 + i, n);
       for (int64_t d = 0; d < H; ++d) {

@@ -44,7 +44,7 @@ class Forward {
 
   explicit Forward(const ForwardParams& params)
       : pr_(params), p_(params), nqb_(CeilDiv(pr_.T, L)) {
-    const AttentionOptions& o = pr_.options;
+    const AttentionOptions& o = p_.options;
     // Causal-like windows make later query blocks heavier: hand those out first.
     heavy_last_ = o.window_right >= 0 && o.window_left < 0;
   }
@@ -69,7 +69,7 @@ class Forward {
     const int64_t ni = std::clamp<int64_t>(q_len - i0, 0, rows);
     int64_t jlo = 0, jhi = 0;
     if (ni > 0) {
-      KeyRange(pr_.options, i0, i0 + ni, kv_len, &jlo, &jhi);
+      KeyRange(p_.options, i0, i0 + ni, kv_len, &jlo, &jhi);
       IntersectSpans(p_.kv_span, pr_.batch, b, i0, i0 + ni, &jlo, &jhi);
     }
 
@@ -89,7 +89,7 @@ class Forward {
     A* pv = ws.Get<A>(8, H * L);
     A* alpha = ws.Get<A>(9, L);
 
-    PackTransposed<A>(pr_, p_.q, b, i0, ni, n, static_cast<A>(pr_.options.scale), row_buffer, qt);
+    PackTransposed<A>(pr_, p_.q, b, i0, ni, n, static_cast<A>(p_.options.scale), row_buffer, qt);
     for (int64_t t = 0; t < L; ++t) {
       m[t] = kNegInf<A>;
       l[t] = A(0);

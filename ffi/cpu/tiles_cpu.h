@@ -34,8 +34,7 @@ struct Problem {
         H(params.shape.head_dim),
         G(params.shape.num_heads / params.shape.num_kv_heads),
         nb(params.shape.batch.count()),
-        dtype(params.shape.dtype),
-        options(params.options) {}
+        dtype(params.shape.dtype) {}
 
   //! Offset of element (row, head, 0) of batch item b of a (batch..., rows, heads, H) operand.
   int64_t RowOffset(const Operand& op, int64_t b, int64_t row, int64_t head) const {
@@ -60,7 +59,6 @@ struct Problem {
   const BatchShape& batch;
   const int64_t T, S, N, K, H, G, nb;
   const ElementType dtype;
-  const AttentionOptions options;  //!< the call's (windows that cut nothing come as -1)
 };
 
 //! Converted, scaled copy of rows [row0, row0 + rows) of head `head` of a (batch..., rows,
@@ -100,7 +98,7 @@ void PackTransposed(const Problem& pr, const Operand& op, int64_t b, int64_t row
 //! smallest normal number becomes that number, so that 1 / cap stays finite.
 template <typename A>
 A SoftCap(const Problem& pr) {
-  const double cap = pr.options.softcap;
+  const double cap = pr.p.options.softcap;
   if (!(cap > 0)) return A(0);
   return std::max(static_cast<A>(cap), std::numeric_limits<A>::min());
 }
@@ -184,7 +182,7 @@ void LogitsQueryLanes(const Problem& pr, int64_t b, int64_t n, int64_t i0, int64
                  p.bias.stride[2], nk, st + i, L);
     }
   }
-  const AttentionOptions& o = pr.options;
+  const AttentionOptions& o = pr.p.options;
   if (WindowCutsBlock(o, i0, i0 + ni, j0, j0 + nk)) {
     for (int64_t j = 0; j < nk; ++j) {
       const int64_t key = j0 + j;  // visible to rows key - right <= i <= key + left
@@ -226,7 +224,7 @@ void LogitsKeyLanes(const Problem& pr, int64_t b, int64_t n, int64_t i0, int64_t
                  p.bias.stride[2], nj, s + i * L, 1);
     }
   }
-  const AttentionOptions& o = pr.options;
+  const AttentionOptions& o = pr.p.options;
   if (nj < L || WindowCutsBlock(o, i0, i0 + ni, j0, j0 + nj)) {
     for (int64_t i = 0; i < ni; ++i) {
       const int64_t row = i0 + i;  // sees keys row - left <= j <= row + right
