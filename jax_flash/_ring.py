@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _config, _varying
+from . import _config, _validation, _varying
 from ._validation import AttentionConfig
 
 #: How the global sequence is laid out over the ring's devices.
@@ -198,11 +198,8 @@ def _permute_chunks(x, order, count: int, axis: int):
 
 
 def _slice_lengths(lengths, start, size: int):
-  """Global lengths as lengths within the `size` rows from global row `start` (None: all). A
-  negative length is none (clipped first: subtracting `start` must not wrap around int32)."""
-  if lengths is None:
-    return None
-  return jnp.clip(jnp.maximum(lengths, 0) - start, 0, size).astype(jnp.int32)
+  """Global lengths as lengths within the `size` rows from global row `start` (None: all)."""
+  return None if lengths is None else _validation.lengths_within(lengths, start, size)
 
 
 def _merge(out, lse, block_out, block_lse):

@@ -29,7 +29,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from . import _config
+from . import _config, _validation
 
 #: At most this many query rows (after packing the groups) per (batch item, key/value head):
 #: one query block of any forward tile.
@@ -121,10 +121,10 @@ def forward(p: Plan, call, q, k, v, q_len, kv_len, merge_heads_major=merge):
   else:
     rows = q.reshape(q.shape[:-2] + (K, G, H))
     rows = jnp.swapaxes(rows, -3, -2).reshape(q.shape[:-3] + (T * G, K, H))
-  # Lengths are clipped to their axes first: any int32 is a legal length (beyond the axis: all
-  # of it; below 0: none of it), and the arithmetic below must not wrap around.
+  # Lengths are taken within their axes first (any int32 is a legal length), so that the
+  # arithmetic below cannot wrap around.
   if q_len is not None:
-    q_len = jnp.broadcast_to(jnp.clip(q_len, 0, T) * G, batch)
+    q_len = jnp.broadcast_to(_validation.lengths_within(q_len, 0, T) * G, batch)
   P, C = p.splits, S // p.splits
   # Chunk c of the keys is batch item c of a new axis; the queries broadcast over it.
   chunk = lambda x: x.reshape(x.shape[:-3] + (P, C) + x.shape[-2:])
@@ -134,8 +134,7 @@ def forward(p: Plan, call, q, k, v, q_len, kv_len, merge_heads_major=merge):
     q_len = jnp.broadcast_to(q_len[..., None], batch + (P,))
   if kv_len is not None:
     starts = jnp.arange(P, dtype=jnp.int32) * C
-    kv_len = jnp.clip(jnp.clip(jnp.broadcast_to(kv_len, batch), 0, S)[..., None] - starts, 0,
-                      C).astype(jnp.int32)
+    kv_len = _validation.lengths_within(jnp.broadcast_to(kv_len, batch)[..., None], starts, C)
   out, lse = call(rows, k, v, q_len, kv_len, heads_major)
   if heads_major:  # (batch..., P, K, G, H), (batch..., P, K, G)
     out, lse = (merge_heads_major if P > 1 else _only_chunk)(out, lse)

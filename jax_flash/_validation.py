@@ -43,6 +43,13 @@ def windows_within(config: AttentionConfig, T: int, S: int) -> AttentionConfig:
   return dataclasses.replace(config, window_left=left, window_right=right)
 
 
+def lengths_within(lengths, start, size: int):
+  """Per-item lengths (int32, any value: beyond the axis all of it, below 0 none of it) as
+  lengths within the `size` rows from row `start` (>= 0, broadcasting against `lengths`). A
+  negative length is clipped first, so that subtracting `start` cannot wrap around int32."""
+  return jnp.clip(jnp.maximum(lengths, 0) - start, 0, size).astype(jnp.int32)
+
+
 @dataclasses.dataclass
 class CanonicalCall:
   """A validated call: q/k/v rank 4 (B, T|S, N|K, H); bias/mask rank 4; seq lengths (B,) int32;
