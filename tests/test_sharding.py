@@ -105,8 +105,7 @@ else:
     bias_spec: tuple = ()
     mask: str | None = None
     mask_spec: tuple = ()
-    # True: ragged lengths; "extremes": int32's (an item without rows, one without keys).
-    lengths: bool | str = False
+    lengths: bool = False
     segments: bool = False  # packed rows: sorted segment ids, sharded with the batch
     is_causal: bool = True
     explicit: bool = False
