@@ -139,20 +139,47 @@ def test_calls_without_arrays_reach_the_kernel(platform):
           == ("jax_flash_bwd" in hlo(bias)))
 
 
-def _direct_backward(q, workspace_bytes, **overrides):
-  """The CUDA backward handler called directly: (dq, dk, dv, workspace)."""
-  _extension.ensure_registered()
-  lse = jnp.zeros(q.shape[:1] + q.shape[2:3] + q.shape[1:2], jnp.float32)
-  results = tuple(jax.ShapeDtypeStruct(q.shape, q.dtype) for _ in range(3))
-  results += (jax.ShapeDtypeStruct((workspace_bytes,), np.uint8),)
+def _handler_attrs(**overrides):
   attrs = dict(scale=np.float64(0.125), softcap=np.float64(0.0), window_left=np.int64(-1),
                window_right=np.int64(-1), has_bias=False, has_bias_blocks=False, has_mask=False,
                has_mask_blocks=False, has_q_seqlens=False, has_kv_seqlens=False,
                has_segment_ids=False, deterministic=False, has_dbias=False,
                heads_major=False)
   attrs.update(overrides)
+  return attrs
+
+
+def _direct_backward(q, workspace_bytes, kv=None, **overrides):
+  """The CUDA backward handler called directly: (dq, dk, dv, workspace). Keys and values are
+  `kv` (the query's shape by default)."""
+  _extension.ensure_registered()
+  kv = q if kv is None else kv
+  lse = jnp.zeros(q.shape[:1] + q.shape[2:3] + q.shape[1:2], jnp.float32)
+  results = (jax.ShapeDtypeStruct(q.shape, q.dtype),)
+  results += tuple(jax.ShapeDtypeStruct(kv.shape, kv.dtype) for _ in range(2))
+  results += (jax.ShapeDtypeStruct((workspace_bytes,), np.uint8),)
   call = jax.ffi.ffi_call(_extension.BACKWARD_TARGET, results)
-  return jax.block_until_ready(call(q, q, q, q, lse, q, lse, **attrs))
+  return jax.block_until_ready(call(q, kv, kv, q, lse, q, lse, **_handler_attrs(**overrides)))
+
+
+def _direct_forward(q, kv):
+  """The CUDA forward handler called directly: (out, lse)."""
+  _extension.ensure_registered()
+  results = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+             jax.ShapeDtypeStruct(q.shape[:1] + q.shape[2:3] + q.shape[1:2], jnp.float32))
+  call = jax.ffi.ffi_call(_extension.FORWARD_TARGET, results)
+  return jax.block_until_ready(call(q, kv, kv, **_handler_attrs()))
+
+
+def test_handlers_reject_zero_keys(platform):
+  """Python answers calls without keys itself; called directly, the kernels refuse them."""
+  q = jnp.zeros((1, 8, 2, 64), DTYPES[0])
+  kv = jnp.zeros((1, 0, 2, 64), DTYPES[0])
+  with pytest.raises(jax.errors.JaxRuntimeError, match="at least one key"):
+    _direct_forward(q, kv)
+  needed = _extension.backward_workspace_bytes(1, 8, 2, 64, q.dtype)
+  with pytest.raises(jax.errors.JaxRuntimeError, match="at least one key"):
+    _direct_backward(q, needed, kv=kv)
 
 
 def test_backward_handler_rejects_float32(platform):

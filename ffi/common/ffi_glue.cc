@@ -222,6 +222,12 @@ Status DescribeInputs(const AttentionAttrs& attrs, const BatchShape& batch,
     return Status::InvalidArgument("jax_flash: softcap must be finite and >= 0 (0 = off), got " +
                                    std::to_string(attrs.softcap));
   }
+  // Row maxima are taken of raw products, which order the scaled logits only for a scale
+  // >= 0 (Python folds a negative scale into the query).
+  if (!(attrs.scale >= 0.0) || std::isinf(attrs.scale)) {
+    return Status::InvalidArgument("jax_flash: scale must be finite and >= 0, got " +
+                                   std::to_string(attrs.scale));
+  }
   p->options.scale = attrs.scale;
   p->options.softcap = attrs.softcap;
   // Windows that cut nothing become unbounded (-1), so that the kernels' index arithmetic on

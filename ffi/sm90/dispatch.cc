@@ -82,6 +82,12 @@ Status CheckProblem(const ForwardParams& p, const char* pass, const KernelFeatur
       return Status::InvalidArgument("jax_flash: the Hopper kernels need 16-byte aligned buffers");
     }
   }
+  // jax_flash answers calls without keys itself (zeros, and an LSE of -inf); the kernels'
+  // TMA descriptors and schedules need at least one key block.
+  if (s.seqlen_k == 0 && s.seqlen_q > 0 && s.batch.count() * s.num_heads > 0) {
+    return Status::InvalidArgument(std::string("jax_flash: the Hopper ") + pass +
+                                   " kernel needs at least one key (got a key length of 0)");
+  }
   constexpr int64_t kInt32Max = INT32_MAX;
   if (s.seqlen_q > kInt32Max || s.seqlen_k > kInt32Max || s.num_heads > kInt32Max ||
       s.batch.count() > kInt32Max) {

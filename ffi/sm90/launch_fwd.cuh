@@ -21,6 +21,9 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   using Element = typename Traits::Element;
   using Kernel = ForwardKernel<Traits>;
   const AttentionShape& s = p.shape;
+  const int64_t num_m_blocks = (s.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  const int64_t num_heads_total = s.num_heads * s.batch.count();
+  if (num_m_blocks * num_heads_total == 0) return Status::Ok();
   typename Kernel::Params kp;
 
   Status status = check_mask_operands(p, Traits::kBlockM, Traits::kBlockN,
@@ -57,9 +60,6 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   epilogue.lse = static_cast<float*>(p.lse.data);
   kp.epilogue = Kernel::Epilogue::to_params(epilogue);
 
-  const int64_t num_m_blocks = (s.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  const int64_t num_heads_total = s.num_heads * s.batch.count();
-  if (num_m_blocks * num_heads_total == 0) return Status::Ok();
   // A window (causal) makes later query blocks see more keys: schedule them first, over
   // sections long enough to balance. Every query block of a head reads all its K and V; with
   // segment ids (packed sequences) only those of its own segments, which the blocks of one
