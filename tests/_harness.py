@@ -188,6 +188,17 @@ def as_jax(x):
   return None if x is None else jnp.asarray(x)
 
 
+def handler_attrs(**overrides):
+  """The attributes of a direct FFI call of jax_flash's forward or backward handler: a plain
+  call (scale 1/8, no window, no optional operand), with `overrides`."""
+  attrs = dict(scale=np.float64(0.125), softcap=np.float64(0.0), window_left=np.int64(-1),
+               window_right=np.int64(-1), has_bias=False, has_bias_blocks=False, has_mask=False,
+               has_mask_blocks=False, has_q_seqlens=False, has_kv_seqlens=False,
+               has_segment_ids=False, deterministic=False, has_dbias=False, heads_major=False)
+  attrs.update(overrides)
+  return attrs
+
+
 def ours_function(case: Case, *, return_residual=False):
   """f(q, k, v, bias, mask, q_lens, kv_lens, q_seg, kv_seg) calling jax_flash with the case's
   options."""

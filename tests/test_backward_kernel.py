@@ -19,7 +19,7 @@ import pytest
 import jax_flash
 from jax_flash import _config, _extension
 
-from _harness import Case, check_gradients, make_inputs, np_dtype
+from _harness import Case, check_gradients, handler_attrs, make_inputs, np_dtype
 from conftest import require_gpu
 
 pytestmark = pytest.mark.gpu
@@ -139,16 +139,6 @@ def test_calls_without_arrays_reach_the_kernel(platform):
           == ("jax_flash_bwd" in hlo(bias)))
 
 
-def _handler_attrs(**overrides):
-  attrs = dict(scale=np.float64(0.125), softcap=np.float64(0.0), window_left=np.int64(-1),
-               window_right=np.int64(-1), has_bias=False, has_bias_blocks=False, has_mask=False,
-               has_mask_blocks=False, has_q_seqlens=False, has_kv_seqlens=False,
-               has_segment_ids=False, deterministic=False, has_dbias=False,
-               heads_major=False)
-  attrs.update(overrides)
-  return attrs
-
-
 def _direct_backward(q, workspace_bytes, kv=None, **overrides):
   """The CUDA backward handler called directly: (dq, dk, dv, workspace). Keys and values are
   `kv` (the query's shape by default)."""
@@ -159,7 +149,7 @@ def _direct_backward(q, workspace_bytes, kv=None, **overrides):
   results += tuple(jax.ShapeDtypeStruct(kv.shape, kv.dtype) for _ in range(2))
   results += (jax.ShapeDtypeStruct((workspace_bytes,), np.uint8),)
   call = jax.ffi.ffi_call(_extension.BACKWARD_TARGET, results)
-  return jax.block_until_ready(call(q, kv, kv, q, lse, q, lse, **_handler_attrs(**overrides)))
+  return jax.block_until_ready(call(q, kv, kv, q, lse, q, lse, **handler_attrs(**overrides)))
 
 
 def _direct_forward(q, kv):
@@ -168,7 +158,7 @@ def _direct_forward(q, kv):
   results = (jax.ShapeDtypeStruct(q.shape, q.dtype),
              jax.ShapeDtypeStruct(q.shape[:1] + q.shape[2:3] + q.shape[1:2], jnp.float32))
   call = jax.ffi.ffi_call(_extension.FORWARD_TARGET, results)
-  return jax.block_until_ready(call(q, kv, kv, **_handler_attrs()))
+  return jax.block_until_ready(call(q, kv, kv, **handler_attrs()))
 
 
 def test_handlers_reject_zero_keys(platform):

@@ -20,7 +20,7 @@ from jax_flash import _config, _primitive
 from jax_flash._validation import canonicalize
 
 from _harness import (Case, check_equals_is_causal, check_forward, check_gradients,
-                      check_vmap_over_logit_arrays, make_inputs)
+                      check_vmap_over_logit_arrays, handler_attrs, make_inputs)
 from _platforms import GPU, with_platform
 
 
@@ -370,10 +370,7 @@ def test_gpu_bias_handler_checks(platform):
   q = jnp.zeros((1, 128, 2, 64), dtype)
   bias = jnp.zeros((1, 1, 128, 128), dtype)
   blocks = jnp.ones((1, 1, 1, 1), jnp.int8)  # one block of either pass's tile at head dim 64
-  attrs = dict(scale=np.float64(0.125), softcap=np.float64(0.0), window_left=np.int64(-1),
-               window_right=np.int64(-1), has_bias=True, has_bias_blocks=True, has_mask=False,
-               has_mask_blocks=False, has_q_seqlens=False, has_kv_seqlens=False,
-               has_segment_ids=False, deterministic=False, has_dbias=False, heads_major=False)
+  attrs = handler_attrs(has_bias=True, has_bias_blocks=True)
   forward = jax.ffi.ffi_call(_extension.FORWARD_TARGET,
                              (jax.ShapeDtypeStruct(q.shape, dtype),
                               jax.ShapeDtypeStruct((1, 2, 128), jnp.float32)))

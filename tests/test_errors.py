@@ -12,6 +12,7 @@ import pytest
 import jax_flash
 from jax_flash import _config, _extension, _validation
 
+from _harness import handler_attrs
 from _tolerances import granularity
 
 
@@ -535,12 +536,7 @@ def test_default_device_selects_the_gpu_checks(monkeypatch):
 
 
 def _attrs(**overrides):
-  attrs = dict(scale=np.float64(0.5), softcap=np.float64(0.0), window_left=np.int64(-1),
-               window_right=np.int64(-1), has_bias=False, has_bias_blocks=False, has_mask=False,
-               has_mask_blocks=False, has_q_seqlens=False, has_kv_seqlens=False,
-               has_segment_ids=False, deterministic=False, has_dbias=False, heads_major=False)
-  attrs.update(overrides)
-  return attrs
+  return handler_attrs(**{"scale": np.float64(0.5), **overrides})
 
 
 def _forward(operands, out_shape=(2, 5, 4, 8), out_dtype=jnp.float32, lse_shape=(2, 4, 5),

@@ -24,7 +24,8 @@ from jax_flash import _config, _primitive
 from jax_flash._validation import canonicalize
 
 from _harness import (Case, check_equals_is_causal, check_forward, check_gradients,
-                      check_ordered_dq_reduction, check_vmap_over_logit_arrays, make_inputs)
+                      check_ordered_dq_reduction, check_vmap_over_logit_arrays, handler_attrs,
+                      make_inputs)
 from _platforms import GPU, with_platform
 
 
@@ -188,19 +189,15 @@ def test_gpu_handler_checks_the_mask_operands(platform):
   call = jax.ffi.ffi_call(_extension.FORWARD_TARGET,
                           (jax.ShapeDtypeStruct(q.shape, dtype),
                            jax.ShapeDtypeStruct((1, 2, 256), jnp.float32)))
-  attrs = dict(scale=np.float64(0.125), softcap=np.float64(0.0), window_left=np.int64(-1),
-               window_right=np.int64(-1), has_bias=False, has_bias_blocks=False,
-               has_q_seqlens=False, has_kv_seqlens=False, has_segment_ids=False,
-               deterministic=False, has_dbias=False, heads_major=False)
-  jax.block_until_ready(call(q, q, q, blocks, bits, has_mask=False, has_mask_blocks=True,
-                             **attrs))
+  jax.block_until_ready(call(q, q, q, blocks, bits, **handler_attrs(has_mask_blocks=True)))
   for operands, array, with_tiles, name in (
       ((q, q, q, mask), True, False, "not as the array"),
       ((q, q, q, mask, blocks, bits), True, True, "not both"),
       ((q, q, q, wrong_blocks, bits), False, True, "mask_blocks"),
       ((q, q, q, blocks, wrong_bits), False, True, "mask_bits")):
     with pytest.raises(jax.errors.JaxRuntimeError, match=name):
-      jax.block_until_ready(call(*operands, has_mask=array, has_mask_blocks=with_tiles, **attrs))
+      jax.block_until_ready(call(*operands,
+                                 **handler_attrs(has_mask=array, has_mask_blocks=with_tiles)))
 
 
 @pytest.mark.parametrize("platform", [GPU], indirect=True)
