@@ -222,8 +222,8 @@ Status DescribeInputs(const AttentionAttrs& attrs, const BatchShape& batch,
     return Status::InvalidArgument("jax_flash: softcap must be finite and >= 0 (0 = off), got " +
                                    std::to_string(attrs.softcap));
   }
-  // Row maxima are taken of raw products, which order the scaled logits only for a scale
-  // >= 0 (Python folds a negative scale into the query).
+  // The Hopper kernels take row maxima of raw products, which order the scaled logits only
+  // for a scale >= 0; Python folds a negative scale into the query.
   if (!(attrs.scale >= 0.0) || std::isinf(attrs.scale)) {
     return Status::InvalidArgument("jax_flash: scale must be finite and >= 0, got " +
                                    std::to_string(attrs.scale));

@@ -91,7 +91,8 @@ Status make_schedule(const ScheduleRequest& request, const LaunchContext& contex
   int64_t heads_per_section = 1;
   switch (request.sections) {
     case HeadSections::kWaveOfHeads:
-      heads_per_section = std::min<int64_t>(l2_heads, context.sm_count / std::max<int64_t>(request.num_blocks, 1));
+      heads_per_section = std::min<int64_t>(
+          l2_heads, context.sm_count / std::max<int64_t>(request.num_blocks, 1));
       break;
     case HeadSections::kOneHead:
       // Sections sized for L2 spread a head's blocks over rounds, which cost 7-15% at
