@@ -2,7 +2,8 @@
     \brief The merge of a forward split along the keys (jax_flash/_split_kv.py): each part
            attended one chunk of the keys and holds a normalised output and its log-sum-exp;
            the whole row's lse is the log-sum-exp of the parts' lses, and its output the sum of
-           the parts' outputs weighted by exp(lse_part - lse). One warp per (item, row).
+           the parts' outputs weighted by exp(lse_part - lse). A group of up to kMergeMaxLanes
+           threads per (item, row, kMergeColumns columns).
 */
 #pragma once
 
@@ -13,76 +14,126 @@
 namespace jax_flash::sm90 {
 
 inline constexpr int kMergeThreads = 256;
-//! Output columns per lane and load (8 bytes of 16-bit elements).
-inline constexpr int kMergeColumnsPerLoad = 4;
-//! Parts whose columns a lane loads before it adds any: their loads are in flight together
-//! (the merge is bound by memory latency, not bandwidth).
-inline constexpr int kMergePartsInFlight = 16;
+//! Output columns a thread merges (8 bytes of 16-bit elements per part).
+inline constexpr int kMergeColumns = 4;
+//! The most lanes that share a row's parts (MergeShape).
+inline constexpr int kMergeMaxLanes = 4;
 
-template <class Element>
-__global__ void __launch_bounds__(kMergeThreads)
-    forward_merge_kernel(CUTE_GRID_CONSTANT ForwardMergeParams const p) {
-  const int64_t warp = (int64_t(blockIdx.x) * kMergeThreads + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (warp >= p.items * p.rows) return;
-  const int64_t item = warp / p.rows;
-  const int64_t row = warp % p.rows;
-  // Part i of this row: its lse at lse_parts[i * rows], its output at out_parts[i * rows * H].
-  const float* lse_parts = p.lse_parts + item * p.parts * p.rows + row;
-  const Element* out_parts = static_cast<const Element*>(p.out_parts) +
-                             (item * p.parts * p.rows + row) * p.head_dim;
-  const int64_t out_part_stride = int64_t(p.rows) * p.head_dim;
+//! The merge of kMergeColumns output columns of one row, by kLanes adjacent lanes: lane l takes
+//! parts l, l + kLanes, ..., loading kInFlight of them before it adds any (the loads are in
+//! flight together), then the lanes combine what they hold. Most of the merge's time is its
+//! instructions, not its loads: lanes share a row's parts, and a merge of few parts loads as
+//! many as it has (kInFlight rounded up), so that no thread runs instructions for absent ones.
+template <int kLanes, int kInFlight>
+struct MergeShape {
+  static_assert(kLanes >= 1 && kLanes <= kMergeMaxLanes && (kLanes & (kLanes - 1)) == 0,
+                "lanes that share a row's parts: a power of two up to kMergeMaxLanes");
+  static constexpr int lanes = kLanes;
+  static constexpr int in_flight = kInFlight;
+};
 
-  float max_lse = -INFINITY;
-  for (int i = lane; i < p.parts; i += 32) max_lse = fmaxf(max_lse, lse_parts[i * p.rows]);
-  for (int offset = 16; offset > 0; offset /= 2) {
-    max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, offset));
-  }
-  // A row no part saw a key of keeps lse = -inf and an output of 0 (the kernel's dead rows).
-  const bool live = max_lse != -INFINITY;
-  float sum = 0.f;
-  for (int i = lane; i < p.parts; i += 32) {
-    sum += live ? expf(lse_parts[i * p.rows] - max_lse) : 0.f;
-  }
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  const float lse = live ? max_lse + logf(sum) : -INFINITY;
-
+//! Merges kMergeColumns output columns of one row over its `parts` parts, with the other
+//! Shape::lanes - 1 lanes of its group (`lane`: its index there): part i's lse at
+//! lse_parts[i * lse_stride], its columns at out_parts[i * out_stride]. The group's lane 0 writes
+//! the merged columns to `out` and, where `lse` is not null, the merged lse there. A row no part
+//! saw a key of keeps lse = -inf and an output of 0 (the forward's dead rows).
+template <class Shape, class Element>
+CUTE_DEVICE void merge_row_columns(const float* lse_parts, int64_t lse_stride,
+                                   const Element* out_parts, int64_t out_stride, int parts,
+                                   int lane, Element* out, float* lse) {
+  constexpr int kLanes = Shape::lanes, kInFlight = Shape::in_flight;
   struct alignas(8) Columns {
-    Element x[kMergeColumnsPerLoad];
+    Element x[kMergeColumns];
   };
-  Element* out = static_cast<Element*>(p.out) + (item * p.rows + row) * p.head_dim;
-  for (int col = lane * kMergeColumnsPerLoad; col < p.head_dim; col += 32 * kMergeColumnsPerLoad) {
-    float acc[kMergeColumnsPerLoad] = {};
-    for (int first = 0; first < p.parts; first += 32) {
-      // Lane l holds the weight of part first + l; the parts' loads go out in groups.
-      const int part = first + lane;
-      const float lane_weight = live && part < p.parts ? expf(lse_parts[part * p.rows] - lse) : 0.f;
-      const int count = min(32, p.parts - first);
-      for (int group = 0; group < count; group += kMergePartsInFlight) {
-        Columns parts[kMergePartsInFlight];
-        CUTE_UNROLL
-        for (int j = 0; j < kMergePartsInFlight; ++j) {
-          if (group + j < count) {
-            parts[j] = *reinterpret_cast<const Columns*>(
-                out_parts + (first + group + j) * out_part_stride + col);
-          }
-        }
-        CUTE_UNROLL
-        for (int j = 0; j < kMergePartsInFlight; ++j) {
-          const float weight = __shfl_sync(0xffffffffu, lane_weight, (group + j) % 32);
-          if (group + j < count) {
-            CUTE_UNROLL
-            for (int c = 0; c < kMergeColumnsPerLoad; ++c) acc[c] += weight * float(parts[j].x[c]);
-          }
-        }
+  static_assert(sizeof(Columns) == 8, "a part's columns are one 8-byte load");
+  // The running combination of the lane's parts so far, relative to their largest lse (as the
+  // forward's online softmax): the weights' sum and the weighted columns. The exponentials and
+  // the logarithm on the special-function unit (__expf: relative error about 2^-21 for the
+  // weights near 1 that the sum and the lse depend on; weights of far smaller parts carry more,
+  // but add that little).
+  float max_lse = -INFINITY, sum = 0.f, acc[kMergeColumns] = {};
+  for (int first = lane; first < parts; first += kLanes * kInFlight) {
+    float part_lse[kInFlight];
+    uint2 part_columns[kInFlight];
+    CUTE_UNROLL
+    for (int j = 0; j < kInFlight; ++j) {
+      const int part = first + j * kLanes;
+      const bool present = part < parts;
+      part_lse[j] = present ? lse_parts[part * lse_stride] : -INFINITY;
+      part_columns[j] = present ? *reinterpret_cast<const uint2*>(out_parts + part * out_stride)
+                                : make_uint2(0, 0);
+    }
+    float new_max = max_lse;
+    CUTE_UNROLL
+    for (int j = 0; j < kInFlight; ++j) new_max = fmaxf(new_max, part_lse[j]);
+    if (new_max == -INFINITY) continue;  // no part so far saw a key
+    const float rescale = __expf(max_lse - new_max);  // 0 while max_lse is -inf
+    sum *= rescale;
+    CUTE_UNROLL
+    for (int c = 0; c < kMergeColumns; ++c) acc[c] *= rescale;
+    CUTE_UNROLL
+    for (int j = 0; j < kInFlight; ++j) {
+      const float weight = __expf(part_lse[j] - new_max);  // 0 for a part without keys
+      const Columns columns = reinterpret_cast<const Columns&>(part_columns[j]);
+      sum += weight;
+      CUTE_UNROLL
+      for (int c = 0; c < kMergeColumns; ++c) acc[c] += weight * float(columns.x[c]);
+    }
+    max_lse = new_max;
+  }
+  if constexpr (kLanes > 1) {
+    // The group's lanes, adjacent and aligned within the warp, all present (a group of the
+    // grid's last warp returns as a whole).
+    const unsigned group_mask = ((1u << kLanes) - 1) << ((threadIdx.x % 32) & ~(kLanes - 1));
+    float group_max = max_lse;
+    CUTE_UNROLL
+    for (int offset = 1; offset < kLanes; offset *= 2) {
+      group_max = fmaxf(group_max, __shfl_xor_sync(group_mask, group_max, offset, kLanes));
+    }
+    const float rescale = group_max == -INFINITY ? 0.f : __expf(max_lse - group_max);
+    sum *= rescale;
+    CUTE_UNROLL
+    for (int c = 0; c < kMergeColumns; ++c) acc[c] *= rescale;
+    CUTE_UNROLL
+    for (int offset = 1; offset < kLanes; offset *= 2) {
+      sum += __shfl_xor_sync(group_mask, sum, offset, kLanes);
+      CUTE_UNROLL
+      for (int c = 0; c < kMergeColumns; ++c) {
+        acc[c] += __shfl_xor_sync(group_mask, acc[c], offset, kLanes);
       }
     }
-    Columns merged;
-    CUTE_UNROLL
-    for (int c = 0; c < kMergeColumnsPerLoad; ++c) merged.x[c] = Element(acc[c]);
-    *reinterpret_cast<Columns*>(out + col) = merged;
+    max_lse = group_max;
+    if (lane != 0) return;
   }
-  if (lane == 0) p.lse[item * p.rows + row] = lse;
+  const bool live = max_lse != -INFINITY;
+  const float inv_sum = live ? 1.f / sum : 0.f;
+  Columns merged;
+  CUTE_UNROLL
+  for (int c = 0; c < kMergeColumns; ++c) merged.x[c] = Element(acc[c] * inv_sum);
+  *reinterpret_cast<Columns*>(out) = merged;
+  if (lse != nullptr) *lse = live ? max_lse + __logf(sum) : -INFINITY;
+}
+
+//! One group of Shape::lanes threads per (item, row, kMergeColumns columns).
+template <class Element, class Shape>
+__global__ void __launch_bounds__(kMergeThreads)
+    forward_merge_kernel(CUTE_GRID_CONSTANT ForwardMergeParams const p) {
+  const int64_t thread = int64_t(blockIdx.x) * kMergeThreads + threadIdx.x;
+  const int64_t group = thread / Shape::lanes;
+  const int column_groups = p.head_dim / kMergeColumns;
+  if (group >= p.items * p.rows * column_groups) return;
+  const int64_t item_row = group / column_groups;  // item * rows + row
+  const int column = int(group % column_groups) * kMergeColumns;
+  const int64_t item = item_row / p.rows;
+  const int64_t row = item_row % p.rows;
+  // Part i of this row: its lse at lse_parts[i * rows], its output at out_parts[i * rows * H].
+  const int64_t first_part = item * p.parts * p.rows + row;
+  merge_row_columns<Shape>(
+      p.lse_parts + first_part, p.rows,
+      static_cast<const Element*>(p.out_parts) + first_part * p.head_dim + column,
+      int64_t(p.rows) * p.head_dim, p.parts, int(thread % Shape::lanes),
+      static_cast<Element*>(p.out) + item_row * p.head_dim + column,
+      column == 0 ? p.lse + item_row : nullptr);
 }
 
 }  // namespace jax_flash::sm90

@@ -1,5 +1,6 @@
 /*! \file launch_fwd_merge.cu
-    \brief RunForwardMerge: checks the merge's extents and launches one warp per (item, row).
+    \brief RunForwardMerge: checks the merge's extents and launches a group of threads per
+           (item, row, kMergeColumns columns), its shape chosen by the number of parts.
 */
 #include <climits>
 #include <string>
@@ -12,13 +13,26 @@ namespace jax_flash::sm90 {
 
 namespace {
 
+template <class Element, class Shape>
+Status launch_merge_shape(const ForwardMergeParams& p, const LaunchContext& context) {
+  const int64_t threads = p.items * p.rows * (p.head_dim / kMergeColumns) * Shape::lanes;
+  const int64_t blocks = (threads + kMergeThreads - 1) / kMergeThreads;
+  return launch_kernel(forward_merge_kernel<Element, Shape>, int(blocks), kMergeThreads, 0, p,
+                       context, "forward merge");
+}
+
+//! The merge's shape by its number of parts: each lane's parts in one round of loads up to 64
+//! parts. On an H200, 16 parts merge in 1.9 us in groups of 4 lanes, in 2.5 us with one lane per
+//! row; groups of 8 lanes were no faster there and slower at 2 parts (bench/RESULTS.md).
 template <ElementType kDtype>
 Status launch_forward_merge(const ForwardMergeParams& p, const LaunchContext& context) {
   using Element = typename CutlassElement<kDtype>::type;
-  constexpr int kWarpsPerBlock = kMergeThreads / 32;
-  const int64_t blocks = (p.items * p.rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  return launch_kernel(forward_merge_kernel<Element>, int(blocks), kMergeThreads, 0, p, context,
-                       "forward merge");
+  if (p.parts <= 2) return launch_merge_shape<Element, MergeShape<1, 2>>(p, context);
+  if (p.parts <= 4) return launch_merge_shape<Element, MergeShape<1, 4>>(p, context);
+  if (p.parts <= 8) return launch_merge_shape<Element, MergeShape<2, 4>>(p, context);
+  if (p.parts <= 16) return launch_merge_shape<Element, MergeShape<4, 4>>(p, context);
+  if (p.parts <= 32) return launch_merge_shape<Element, MergeShape<4, 8>>(p, context);
+  return launch_merge_shape<Element, MergeShape<4, 16>>(p, context);
 }
 
 }  // namespace
@@ -28,15 +42,17 @@ Status RunForwardMerge(const ForwardMergeParams& p, const LaunchContext& context
     return Status::InvalidArgument("jax_flash: the forward merge needs at least one part and a "
                                    "positive head dim");
   }
-  if (p.head_dim % kMergeColumnsPerLoad != 0) {
+  if (p.head_dim % kMergeColumns != 0) {
     return Status::InvalidArgument("jax_flash: the forward merge takes head dims that are "
-                                   "multiples of " + std::to_string(kMergeColumnsPerLoad) +
+                                   "multiples of " + std::to_string(kMergeColumns) +
                                    ", got " + std::to_string(p.head_dim));
   }
   // The kernel indexes one item's parts and rows in 32-bit integers, and its grid in blocks.
   constexpr int64_t kMaxBlocks = (int64_t(1) << 31) - 1;
   if (int64_t(p.parts) * p.rows > INT32_MAX ||
-      (p.items * p.rows + kMergeThreads / 32 - 1) / (kMergeThreads / 32) > kMaxBlocks) {
+      (p.items * p.rows * (p.head_dim / kMergeColumns) * kMergeMaxLanes + kMergeThreads - 1) /
+              kMergeThreads >
+          kMaxBlocks) {
     return Status::InvalidArgument("jax_flash: the forward merge has too many rows");
   }
   if (p.items * p.rows == 0) return Status::Ok();
