@@ -2,8 +2,10 @@
 
 For each (batch B, query rows T, cached keys S) times jax_flash's forward (which runs such
 shapes with the keys split and the query heads of a group packed: jax_flash/_split_kv.py),
-the same forward without that (``jax_flash_unsplit``) and cuDNN through
-``jax.nn.dot_product_attention``, each as the sum of its kernels' CUPTI durations. The bar is
+the same forward without that (``jax_flash_unsplit``), cuDNN through
+``jax.nn.dot_product_attention`` and FlashAttention-3's key/value-cache forward through
+``flash_attn3_jax.flash_mha_with_kvcache`` (``fa3``; head dim 128 in its wheel) at the fastest of
+its split counts FA3_SPLITS, each as the sum of its kernels' CUPTI durations. The bar is
 the HBM bandwidth: the bytes of K and V over the time, against what a device-to-device copy
 reaches in the same run (bytes read + written over its time, on a 2 GiB buffer).
 
@@ -26,7 +28,10 @@ sys.path.insert(0, str(HERE))
 
 import bench_attention  # noqa: E402  (timing, metadata and result files)
 
-IMPLS = ("jax_flash", "jax_flash_unsplit", "cudnn")
+IMPLS = ("jax_flash", "jax_flash_unsplit", "cudnn", "fa3")
+#: The key/value splits tried for FA3's cache forward, which takes the count from its caller
+#: (`num_splits`, no heuristic in this binding); the fastest is recorded with it.
+FA3_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 
 
 @contextlib.contextmanager
@@ -42,12 +47,16 @@ def _unsplit():
     _split_kv.plan = plan
 
 
-def _compile(name: str, q, k, v):
+def _compile(name: str, q, k, v, fa3_splits: int = 1):
   import jax
 
   import jax_flash
 
-  if name == "cudnn":
+  if name == "fa3":
+    from flash_attn3_jax import flash_mha_with_kvcache
+
+    fn = jax.jit(lambda q, k, v: flash_mha_with_kvcache(q, k, v, num_splits=fa3_splits))
+  elif name == "cudnn":
     fn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
   else:
     fn = jax.jit(lambda q, k, v: jax_flash.dot_product_attention(q, k, v))
@@ -66,6 +75,28 @@ def copy_bandwidth(iterations: int) -> float:
   return 2 * x.nbytes / (statistics.median(ms) * 1e-3)
 
 
+def _fastest_fa3_splits(q, k, v, S: int) -> int:
+  """FA3's split count of FA3_SPLITS (at least 128 keys a split) with the least median time
+  over a few calls."""
+  import jax
+
+  best, failure = None, None
+  for splits in (n for n in FA3_SPLITS if n == 1 or S // n >= 128):
+    try:
+      compiled = _compile("fa3", q, k, v, splits)
+      jax.block_until_ready(compiled(q, k, v))
+      times, _ = bench_attention.time_gpu(compiled, [q, k, v], 5, warmup=1)
+    except Exception as e:  # a count this shape does not take
+      failure = e
+      continue
+    us = statistics.median(times)
+    if best is None or us < best[0]:
+      best = (us, splits)
+  if best is None:
+    raise failure
+  return best[1]
+
+
 def run_cell(B: int, T: int, S: int, args, copy_bw: float) -> dict:
   import jax
   import numpy as np
@@ -80,7 +111,9 @@ def run_cell(B: int, T: int, S: int, args, copy_bw: float) -> dict:
   for name in args.impls.split(","):
     r = {}
     try:
-      compiled = _compile(name, q, k, v)
+      if name == "fa3":
+        r["num_splits"] = _fastest_fa3_splits(q, k, v, S)
+      compiled = _compile(name, q, k, v, r.get("num_splits", 1))
       out = compiled(q, k, v)
       if reference is None:
         reference = np.asarray(out, np.float32)
@@ -93,15 +126,18 @@ def run_cell(B: int, T: int, S: int, args, copy_bw: float) -> dict:
       r["error"] = bench_attention.short_reason(e)
     record["results"][name] = r
     jax.clear_caches()
-  ours, cudnn = record["results"].get("jax_flash", {}), record["results"].get("cudnn", {})
-  if "us" in ours and "us" in cudnn:
-    record["speedup_vs_cudnn"] = cudnn["us"] / ours["us"]
+  ours = record["results"].get("jax_flash", {})
+  for peer in ("cudnn", "fa3"):
+    theirs = record["results"].get(peer, {})
+    if "us" in ours and "us" in theirs:
+      record[f"speedup_vs_{peer}"] = theirs["us"] / ours["us"]
   return record
 
 
 def table(data: dict) -> list[str]:
   impls = data["metadata"]["impls"]
-  head = f"{'B':>3} {'T':>3} {'S':>7} | " + " ".join(f"{n:>24}" for n in impls) + " | vs cuDNN"
+  head = (f"{'B':>3} {'T':>3} {'S':>7} | " + " ".join(f"{n:>24}" for n in impls) +
+          " | vs cuDNN | vs FA3")
   lines = [head, "-" * len(head)]
   for r in data["results"]:
     cells = []
@@ -109,9 +145,9 @@ def table(data: dict) -> list[str]:
       x = r["results"].get(n, {})
       cells.append(f"{'error':>24}" if "us" not in x else
                    f"{x['us']:>9.1f} us {x['bandwidth'] / 1e9:>6.0f} GB/s {100 * x['of_copy']:>3.0f}%")
-    speed = r.get("speedup_vs_cudnn")
-    lines.append(f"{r['B']:>3} {r['T']:>3} {r['S']:>7} | " + " ".join(cells) +
-                 f" | {'' if speed is None else f'{speed:.2f}x'}")
+    speeds = [r.get(f"speedup_vs_{peer}") for peer in ("cudnn", "fa3")]
+    lines.append(f"{r['B']:>3} {r['T']:>3} {r['S']:>7} | " + " ".join(cells) + " | " +
+                 " | ".join(f"{'':>8}" if x is None else f"{x:>7.2f}x" for x in speeds))
   lines.append(f"copy bandwidth: {data['metadata']['copy_bandwidth'] / 1e9:.0f} GB/s "
                "(bytes read + written); % = K/V bytes over time, of that")
   return lines

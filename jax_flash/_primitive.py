@@ -310,18 +310,21 @@ def _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, *, 
   return tuple(_varying.varying_like(results, *operands))
 
 
-def _forward_merge_call(out, lse):
-  """`_split_kv.merge` by the CUDA handler's kernel: out (..., P, A, B, H) and lse
-  (..., P, A, B) -> (..., A, B, H) and (..., A, B)."""
+def _forward_merge_call(out, lse, query_rows: int, heads_major: bool):
+  """`_split_kv.merge` by the CUDA handler's kernel: the chunks' out (..., P, A, B, H) and lse
+  (..., P, K, T*G), A, B = K, G where heads_major (T = 1) else T*G, K, -> the call's out
+  (..., T, K*G, H) and lse (..., K*G, T)."""
   _extension.ensure_registered()
   lead, (P, A, B, H) = out.shape[:-4], out.shape[-4:]
+  T, N = query_rows, A * B // query_rows
   items = math.prod(lead)
   call = jax.ffi.ffi_call(_extension.FORWARD_MERGE_TARGET,
-                          (jax.ShapeDtypeStruct((items, A * B, H), out.dtype),
-                           jax.ShapeDtypeStruct((items, A * B), lse.dtype)))
-  parts = (out.reshape(items, P, A * B, H), lse.reshape(items, P, A * B))
-  merged, total = _varying.varying_like(call(*parts), *parts)
-  return merged.reshape(lead + (A, B, H)), total.reshape(lead + (A, B))
+                          (jax.ShapeDtypeStruct((items, T, N, H), out.dtype),
+                           jax.ShapeDtypeStruct((items, N, T), lse.dtype)))
+  parts = (out.reshape(items, P, A, B, H), lse.reshape((items,) + lse.shape[-3:]))
+  merged, total = _varying.varying_like(
+      call(*parts, parts_heads_major=bool(heads_major)), *parts)
+  return merged.reshape(lead + (T, N, H)), total.reshape(lead + (N, T))
 
 
 def _backward_call(config, q, k, v, out, lse, dout, dlse, bias, mask, q_len, kv_len, q_seg,
@@ -473,8 +476,7 @@ def _gpu_forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
     return _forward_call(config, q, k, v, None, None, q_len, kv_len, None, None,
                          heads_major=heads_major)
 
-  return _split_kv.forward(plan, call, q, k, v, q_len, kv_len,
-                           merge_heads_major=_forward_merge_call)
+  return _split_kv.forward(plan, call, q, k, v, q_len, kv_len, merge_parts=_forward_merge_call)
 
 
 def _forward_impl(spec: _sharding.CallSpec, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):

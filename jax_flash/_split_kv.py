@@ -12,9 +12,9 @@ same keys again. So, for calls that fit (`plan`):
   H)``, rows ``g`` of head ``k`` in the kernel's heads-major layout, and so is its output;
 - the keys are split into `splits` equal chunks, each a batch item of its own (a reshape, no
   copy; the queries broadcast over the new batch axis), and the chunks' partial results merge
-  exactly through their log-sum-exps (`merge`). On the GPU a single row's heads-major results
-  merge in one small kernel (jax_flash's forward merge) rather than in XLA's three reductions;
-  more rows keep `merge`, whose reductions XLA fuses with the transpositions back.
+  exactly through their log-sum-exps (`merge`). On the GPU one small kernel (jax_flash's
+  forward merge) merges them and writes the rows back in the call's layout, where XLA would
+  take three reductions and the transpositions.
 
 The log-sum-exp returned is the merged one, so the backward (which recomputes from it) is that
 of the plain call. Only calls without a window (and so without causal masking, whose rows
@@ -86,29 +86,53 @@ def plan(q_shape, k_shape, config, has_segments: bool, sm_count: int | None = No
   return Plan(groups, splits)
 
 
-def merge(out, lse):
-  """The exact combination of the chunks' partial results: out (..., P, A, B, H) and the
-  log-sum-exps of its rows, lse (..., P, A, B) -> (..., A, B, H) and (..., A, B). (On the GPU
-  one kernel does the same for a single row's chunks: jax_flash's forward merge.)"""
-  total = jax.nn.logsumexp(lse, axis=-3)
-  live = jnp.isfinite(total)[..., None, :, :]
-  safe = jnp.where(live, total[..., None, :, :], 0)
-  weight = jnp.where(live, jnp.exp(lse - safe), 0)[..., None]  # (..., P, A, B, 1)
+def _to_call_layout(out, lse, query_rows: int, heads_major: bool):
+  """The forward's results of packed query heads, out (..., K, G, H) and lse (..., K, G) where
+  heads_major (one query row), else out (..., T*G, K, H) and lse (..., K, T*G), as
+  out (..., T, K, G, H) and lse (..., T, K, G)."""
+  T = query_rows
+  if heads_major:
+    return out[..., None, :, :, :], lse[..., None, :, :]
+  *lead, TG, K, H = out.shape
+  G = TG // T
+  out = jnp.swapaxes(out.reshape(tuple(lead) + (T, G, K, H)), -3, -2)
+  lse = jnp.moveaxis(lse.reshape(lse.shape[:-2] + (K, T, G)), -3, -2)
+  return out, lse
+
+
+def _from_call_layout(out, lse):
+  """out (..., T, K, G, H) and lse (..., T, K, G) as the call's (..., T, N, H) and (..., N, T)."""
+  T, K, G, H = out.shape[-4:]
+  lse = jnp.moveaxis(lse, -3, -1)  # (..., K, G, T)
+  return out.reshape(out.shape[:-3] + (K * G, H)), lse.reshape(lse.shape[:-3] + (K * G, T))
+
+
+def merge(out, lse, query_rows: int, heads_major: bool):
+  """The exact combination of the chunks' partial results, laid out as the forward kernel gave
+  them: out (..., P, K, G, H) and lse (..., P, K, G) where heads_major (one query row), else out
+  (..., P, T*G, K, H) and lse (..., P, K, T*G) -> the call's out (..., T, K*G, H) and lse
+  (..., K*G, T). (On the GPU one kernel does the same: jax_flash's forward merge.)"""
+  out, lse = _to_call_layout(out, lse, query_rows, heads_major)
+  total = jax.nn.logsumexp(lse, axis=-4)
+  live = jnp.isfinite(total)[..., None, :, :, :]
+  safe = jnp.where(live, total[..., None, :, :, :], 0)
+  weight = jnp.where(live, jnp.exp(lse - safe), 0)[..., None]  # (..., P, T, K, G, 1)
   acc = _config.accumulation_dtype(out.dtype)
-  return jnp.sum(out.astype(acc) * weight, axis=-4).astype(out.dtype), total
+  return _from_call_layout(jnp.sum(out.astype(acc) * weight, axis=-5).astype(out.dtype), total)
 
 
-def _only_chunk(out, lse):
-  """The results of a key range left whole: out (..., 1, A, B, H), lse (..., 1, A, B)."""
-  return out[..., 0, :, :, :], lse[..., 0, :, :]
+def _only_chunk(out, lse, query_rows: int, heads_major: bool):
+  """`merge` of a key range left whole (P = 1): the layout change alone."""
+  out, lse = _to_call_layout(out[..., 0, :, :, :], lse[..., 0, :, :], query_rows, heads_major)
+  return _from_call_layout(out, lse)
 
 
-def forward(p: Plan, call, q, k, v, q_len, kv_len, merge_heads_major=merge):
+def forward(p: Plan, call, q, k, v, q_len, kv_len, merge_parts=merge):
   """(out, lse) of the attention of q against k, v by `p`, where
   `call(q, k, v, q_len, kv_len, heads_major)` runs the forward kernel on operands with any
   number of leading batch axes, q and its output laid out (..., N, T, H) where heads_major, and
-  `merge_heads_major` combines a single row's chunks as `merge` does."""
-  T, N, H = q.shape[-3:]
+  `merge_parts` combines the chunks' results as `merge` does."""
+  T, _, H = q.shape[-3:]
   S, K, _ = k.shape[-3:]
   G = p.groups
   batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3],
@@ -135,13 +159,7 @@ def forward(p: Plan, call, q, k, v, q_len, kv_len, merge_heads_major=merge):
   if kv_len is not None:
     starts = jnp.arange(P, dtype=jnp.int32) * C
     kv_len = _validation.lengths_within(jnp.broadcast_to(kv_len, batch)[..., None], starts, C)
+  # (batch..., P, K, G, H) and (batch..., P, K, G) where heads_major, else (batch..., P, T*G,
+  # K, H) and (batch..., P, K, T*G).
   out, lse = call(rows, k, v, q_len, kv_len, heads_major)
-  if heads_major:  # (batch..., P, K, G, H), (batch..., P, K, G)
-    out, lse = (merge_heads_major if P > 1 else _only_chunk)(out, lse)
-    return out.reshape(out.shape[:-3] + (1, N, H)), lse.reshape(lse.shape[:-2] + (N, 1))
-  # (batch..., P, T*G, K, H), (batch..., P, K, T*G)
-  lse = jnp.swapaxes(lse, -1, -2)
-  out, lse = (merge if P > 1 else _only_chunk)(out, lse)  # (..., T*G, K, H), (..., T*G, K)
-  out = jnp.swapaxes(out.reshape(out.shape[:-3] + (T, G, K, H)), -3, -2)
-  lse = jnp.swapaxes(lse.reshape(lse.shape[:-2] + (T, G, K)), -3, -1)  # (..., K, G, T)
-  return out.reshape(out.shape[:-3] + (N, H)), lse.reshape(lse.shape[:-3] + (N, T))
+  return (merge_parts if P > 1 else _only_chunk)(out, lse, T, heads_major)

@@ -59,13 +59,16 @@ def cases():
       yield dict(H=H, dtype=dtypes[0], is_causal=True, window=None, lengths="mostly_empty",
                  B=24, N=16, K=4, grads=False)
     if any(t.prefer_rows_up_to for t in _config.SM90_FORWARD_TILES if t.head_dim == H):
-      # Few query rows (the tile this head dim prefers for them), and a decoding step: one
-      # row against split keys (jax_flash/_split_kv.py), its 4 query heads per key/value head
-      # packed into rows.
+      # Few query rows (the tile this head dim prefers for them), and decoding steps: one
+      # row and three rows against split keys (jax_flash/_split_kv.py), 4 query heads per
+      # key/value head packed into rows, the chunks merged by the merge kernel from either
+      # layout of the rows.
       yield dict(H=H, dtype=dtypes[1 % len(dtypes)], is_causal=False, window=None,
                  lengths=None, T=13)
       yield dict(H=H, dtype=dtypes[0], is_causal=False, window=None, lengths="ragged", T=1,
                  S=2048, N=8, K=2)
+      yield dict(H=H, dtype=dtypes[1 % len(dtypes)], is_causal=False, window=None,
+                 lengths="ragged", T=3, S=2048, N=8, K=2)
     if "softcap" in _config.SM90_FORWARD.features | _config.SM90_BACKWARD.features:
       yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=True, window=None,
                  lengths="ragged", softcap=2.0)

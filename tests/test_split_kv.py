@@ -165,32 +165,48 @@ def platform():
   return "gpu"
 
 
-def _parts(items, P, rows, H, dtype, seed=0):
-  """Partial outputs and log-sum-exps of P chunks, some rows dead in some chunks or in all."""
+def _parts(items, P, layout, H, dtype, seed=0):
+  """Partial outputs and log-sum-exps of P chunks in the forward's layout of packed query heads
+  (`layout`: T, K, G and whether heads-major), some rows dead in some chunks or in all."""
+  T, K, G, heads_major = layout
   rng = np.random.default_rng(seed)
-  out = rng.standard_normal((items, P, rows, H)).astype(np.float32)
-  lse = (rng.standard_normal((items, P, rows)) * 8).astype(np.float32)
-  lse[:, ::3, 1] = -np.inf  # row 1 sees no key in every third chunk: its output there is 0
-  out[:, ::3, 1] = 0
-  lse[:, :, 2] = -np.inf  # row 2 sees no key at all
-  out[:, :, 2] = 0
+  out = rng.standard_normal((items, P, T, K, G, H)).astype(np.float32)
+  lse = (rng.standard_normal((items, P, T, K, G)) * 8).astype(np.float32)
+  lse[:, ::3, 0, 0, 1] = -np.inf  # sees no key in every third chunk: its output there is 0
+  out[:, ::3, 0, 0, 1] = 0
+  lse[:, :, -1, -1, -1] = -np.inf  # sees no key at all
+  out[:, :, -1, -1, -1] = 0
+  if heads_major:  # (items, P, K, G, H), (items, P, K, G)
+    out, lse = out[:, :, 0], lse[:, :, 0]
+  else:  # (items, P, T*G, K, H), (items, P, K, T*G)
+    out = out.transpose(0, 1, 2, 4, 3, 5).reshape(items, P, T * G, K, H)
+    lse = lse.transpose(0, 1, 3, 2, 4).reshape(items, P, K, T * G)
   return jnp.asarray(out, dtype), jnp.asarray(lse)
+
+
+#: (T, K, G, heads-major): one query row heads-major as the GPU runs it (one head of 37 rows;
+#: heads of 4) or in the rows layout, and several rows (heads packed in groups of 5 and of 4).
+MERGE_LAYOUTS = [(1, 1, 37, True), (1, 3, 4, True), (1, 3, 4, False), (3, 2, 5, False),
+                 (16, 8, 4, False)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("layout", MERGE_LAYOUTS,
+                         ids=lambda l: f"T{l[0]}-K{l[1]}-G{l[2]}-{'heads' if l[3] else 'rows'}")
 @pytest.mark.parametrize("P,H", [(1, 64), (16, 128), (64, 256), (5, 72), (100, 128)])
-def test_gpu_forward_merge_equals_the_definition(platform, P, H, dtype):
-  """The CUDA merge kernel against `_split_kv.merge` (float32 weights and sums, both): the
-  log-sum-exp to float32 rounding, the output to one rounding of the dtype and the float32
-  sums' rounding; dead rows exactly 0 and -inf."""
-  out, lse = _parts(3, P, 37, H, dtype)
-  out, lse = out[..., None, :], lse[..., None]  # (items, P, 37 rows, 1 head, H)
-  got_out, got_lse = jax.jit(_primitive._forward_merge_call)(out, lse)
-  want_out, want_lse = jax.jit(_split_kv.merge)(out, lse)
-  got_out, got_lse = np.asarray(got_out[..., 0, :], np.float32), np.asarray(got_lse[..., 0])
-  want_out, want_lse = np.asarray(want_out[..., 0, :], np.float32), np.asarray(want_lse[..., 0])
-  assert np.all(got_lse[:, 2] == -np.inf) and np.all(got_out[:, 2] == 0)
+def test_gpu_forward_merge_equals_the_definition(platform, P, H, layout, dtype):
+  """The CUDA merge kernel against `_split_kv.merge` (float32 weights and sums, both), from
+  each layout of the parts into the call's: the log-sum-exp to float32 rounding, the output to
+  one rounding of the dtype and the float32 sums' rounding; dead rows exactly 0 and -inf."""
+  T, heads_major = layout[0], layout[3]
+  out, lse = _parts(3, P, layout, H, dtype)
+  merge = lambda f: jax.jit(f, static_argnums=(2, 3))(out, lse, T, heads_major)
+  got_out, got_lse = (np.asarray(x, np.float32) for x in merge(_primitive._forward_merge_call))
+  want_out, want_lse = (np.asarray(x, np.float32) for x in merge(_split_kv.merge))
+  N = layout[1] * layout[2]
+  assert got_out.shape == want_out.shape == (3, T, N, H) and got_lse.shape == (3, N, T)
+  assert np.all(got_lse[:, -1, -1] == -np.inf) and np.all(got_out[:, -1, -1] == 0)
   np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
   live = ~np.isneginf(want_lse)
   # Two float32 implementations of exp and log, sums in other orders: a few float32 ulps.
@@ -199,33 +215,52 @@ def test_gpu_forward_merge_equals_the_definition(platform, P, H, dtype):
   # the dtype, plus the float32 sums' difference, which scales with the terms (where they
   # cancel, more than with the result). Measured below 2^-23 of sum_i w_i |out_i| at 2 to 64
   # parts (bench/RESULTS.md); 2^-18 is 64 float32 ulps of it, room for the longer sums here.
-  part_lse = np.asarray(lse[..., 0])  # (items, P, rows)
-  weights = np.exp(part_lse - np.where(np.isneginf(want_lse), 0, want_lse)[:, None])
-  terms = np.sum(weights[..., None] * np.abs(np.asarray(out[..., 0, :], np.float32)), axis=1)
+  # sum_i w_i |out_i| is `merge` of |out| in float32.
+  terms = np.asarray(jax.jit(_split_kv.merge, static_argnums=(2, 3))(
+      jnp.abs(out.astype(jnp.float32)), lse, T, heads_major)[0])
   ulp = (np.abs(want_out) * float(jnp.finfo(dtype).eps) +
          float(jnp.finfo(dtype).smallest_normal) + terms * 2.0**-18)
   assert np.all(np.abs(got_out - want_out) <= ulp), np.abs(got_out - want_out).max()
 
 
+#: Inconsistent buffers of the merge, each against a consistent set: parts of T = 5 rows, K = 3
+#: and G = 2 in the rows layout (or of one row, heads-major), and the message that names it.
+_MERGE_ROWS = dict(out=((2, 4, 10, 3, 8), jnp.bfloat16), lse=((2, 4, 3, 10), np.float32),
+                   result=((2, 5, 6, 8), jnp.bfloat16), result_lse=((2, 6, 5), np.float32),
+                   parts_heads_major=False)
+_MERGE_HEADS = dict(out=((2, 4, 3, 2, 8), jnp.bfloat16), lse=((2, 4, 3, 2), np.float32),
+                    result=((2, 1, 6, 8), jnp.bfloat16), result_lse=((2, 6, 1), np.float32),
+                    parts_heads_major=True)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("change,mentioned", [
-    (dict(out=((2, 4, 5, 8), np.float32)), "out_parts"),
-    (dict(lse=((2, 4, 6), np.float32)), "lse_parts"),
-    (dict(lse=((2, 4, 5), np.float16)), "lse_parts"),
-    (dict(result=((2, 5, 9), jnp.bfloat16)), "output"),
-    (dict(result=((2, 5, 8), jnp.float16)), "output"),
-    (dict(result_lse=((2, 4), np.float32)), "lse"),
-    (dict(out=((2, 4, 5, 6), jnp.bfloat16), result=((2, 5, 6), jnp.bfloat16)), "multiples of 4"),
-], ids=["out-dtype", "lse-rows", "lse-dtype", "output-shape", "output-dtype", "lse-shape",
-        "head-dim"])
-def test_gpu_forward_merge_handler_rejects_inconsistent_buffers(platform, change, mentioned):
+@pytest.mark.parametrize("base,change,mentioned", [
+    (_MERGE_ROWS, dict(out=((2, 4, 10, 3, 8), np.float32)), "out_parts"),
+    (_MERGE_ROWS, dict(out=((2, 4, 3, 10, 8), jnp.bfloat16)), "out_parts"),
+    (_MERGE_ROWS, dict(out=((2, 4, 30, 8), jnp.bfloat16)), "takes out_parts"),
+    (_MERGE_ROWS, dict(lse=((2, 4, 3, 11), np.float32)), "lse_parts"),
+    (_MERGE_ROWS, dict(lse=((2, 4, 3, 10), np.float16)), "lse_parts"),
+    (_MERGE_ROWS, dict(result=((2, 5, 6, 9), jnp.bfloat16)), "output"),
+    (_MERGE_ROWS, dict(result=((2, 5, 6, 8), jnp.float16)), "output"),
+    (_MERGE_ROWS, dict(result=((2, 5, 7, 8), jnp.bfloat16), result_lse=((2, 7, 5), np.float32)),
+     "multiple of lse_parts' key/value heads"),
+    (_MERGE_ROWS, dict(result_lse=((2, 5, 6), np.float32)), "lse"),
+    (_MERGE_ROWS, dict(out=((2, 4, 10, 3, 6), jnp.bfloat16), result=((2, 5, 6, 6), jnp.bfloat16)),
+     "multiples of 4"),
+    (_MERGE_ROWS, dict(parts_heads_major=True), "one query row only"),
+    (_MERGE_HEADS, dict(out=((2, 4, 2, 3, 8), jnp.bfloat16)), "out_parts"),
+], ids=["out-dtype", "out-layout", "out-rank", "lse-rows", "lse-dtype", "output-shape",
+        "output-dtype", "heads-not-grouped", "lse-shape", "head-dim", "heads-major-rows",
+        "heads-major-layout"])
+def test_gpu_forward_merge_handler_rejects_inconsistent_buffers(platform, base, change,
+                                                                mentioned):
   from jax_flash import _extension
 
   _extension.ensure_registered()
-  spec = dict(out=((2, 4, 5, 8), jnp.bfloat16), lse=((2, 4, 5), np.float32),
-              result=((2, 5, 8), jnp.bfloat16), result_lse=((2, 5), np.float32))
+  spec = dict(base)
   spec.update(change)
   call = jax.ffi.ffi_call(_extension.FORWARD_MERGE_TARGET,
                           tuple(jax.ShapeDtypeStruct(*spec[n]) for n in ("result", "result_lse")))
   with pytest.raises(jax.errors.JaxRuntimeError, match=mentioned):
-    jax.block_until_ready(call(jnp.zeros(*spec["out"]), jnp.zeros(*spec["lse"])))
+    jax.block_until_ready(call(jnp.zeros(*spec["out"]), jnp.zeros(*spec["lse"]),
+                               parts_heads_major=spec["parts_heads_major"]))

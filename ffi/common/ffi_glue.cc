@@ -429,29 +429,53 @@ Status MakeBackwardParams(const AttentionAttrs& attrs, ffi::AnyBuffer q, ffi::An
 
 Status DescribeForwardMerge(ffi::AnyBuffer out_parts, ffi::AnyBuffer lse_parts,
                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                            ForwardMergeOperands* m) {
+                            bool parts_heads_major, ForwardMergeOperands* m) {
   *m = ForwardMergeOperands{};
-  const auto dims = out_parts.dimensions();
-  if (dims.size() != 4) {
-    return Status::InvalidArgument("jax_flash: out_parts must have rank 4 (items, parts, rows, "
-                                   "head dim), got shape " + DimsToString(dims));
+  const auto part_dims = out_parts.dimensions();
+  const auto lse_part_dims = lse_parts.dimensions();
+  const auto out_dims = out->dimensions();
+  if (part_dims.size() != 5 || lse_part_dims.size() != 4 || out_dims.size() != 4) {
+    return Status::InvalidArgument(
+        "jax_flash: the forward merge takes out_parts (items, parts, rows, heads, head dim), "
+        "lse_parts (items, parts, K, T*G) and an output (items, T, N, head dim), got shapes " +
+        DimsToString(part_dims) + ", " + DimsToString(lse_part_dims) + " and " +
+        DimsToString(out_dims));
   }
-  m->items = dims[0];
-  m->parts = dims[1];
-  m->rows = dims[2];
-  m->head_dim = dims[3];
+  m->items = part_dims[0];
+  m->parts = part_dims[1];
+  m->head_dim = part_dims[4];
+  m->query_rows = out_dims[1];
+  m->kv_heads = lse_part_dims[2];
+  const int64_t heads = out_dims[2];
+  if (m->kv_heads < 1 || heads % m->kv_heads != 0) {
+    return Status::InvalidArgument("jax_flash: the forward merge's output heads (" +
+                                   std::to_string(heads) + ") must be a multiple of lse_parts' "
+                                   "key/value heads (" + std::to_string(m->kv_heads) + ")");
+  }
+  m->group = heads / m->kv_heads;
+  if (parts_heads_major && m->query_rows != 1) {
+    return Status::InvalidArgument("jax_flash: the forward merge takes heads-major parts of one "
+                                   "query row only, got an output of shape " +
+                                   DimsToString(out_dims));
+  }
   BatchShape items;
   items.rank = 1;
   items.extent[0] = m->items;
+  const int64_t packed_rows = m->query_rows * m->group;  // of a key/value head in a part
+  const std::vector<int64_t> part_rows =
+      parts_heads_major ? std::vector<int64_t>{m->kv_heads, m->group}
+                        : std::vector<int64_t>{packed_rows, m->kv_heads};
   JF_RETURN_IF_ERROR(Describe("out_parts", ViewOf(out_parts), items,
-                              {m->parts, m->rows, m->head_dim}, InnerCheck::kExact,
-                              BatchCheck::kFull, &m->out_parts));
-  JF_RETURN_IF_ERROR(Describe("lse_parts", ViewOf(lse_parts), items, {m->parts, m->rows},
-                              InnerCheck::kExact, BatchCheck::kFull, &m->lse_parts));
-  JF_RETURN_IF_ERROR(Describe("output", ViewOf(*out), items, {m->rows, m->head_dim},
-                              InnerCheck::kExact, BatchCheck::kFull, &m->out));
-  JF_RETURN_IF_ERROR(Describe("lse", ViewOf(*lse), items, {m->rows}, InnerCheck::kExact,
-                              BatchCheck::kFull, &m->lse));
+                              {m->parts, part_rows[0], part_rows[1], m->head_dim},
+                              InnerCheck::kExact, BatchCheck::kFull, &m->out_parts));
+  JF_RETURN_IF_ERROR(Describe("lse_parts", ViewOf(lse_parts), items,
+                              {m->parts, m->kv_heads, packed_rows}, InnerCheck::kExact,
+                              BatchCheck::kFull, &m->lse_parts));
+  JF_RETURN_IF_ERROR(Describe("output", ViewOf(*out), items,
+                              {m->query_rows, heads, m->head_dim}, InnerCheck::kExact,
+                              BatchCheck::kFull, &m->out));
+  JF_RETURN_IF_ERROR(Describe("lse", ViewOf(*lse), items, {heads, m->query_rows},
+                              InnerCheck::kExact, BatchCheck::kFull, &m->lse));
   const ElementType dtype = m->out_parts.dtype;
   if (dtype != ElementType::kBFloat16 && dtype != ElementType::kFloat16) {
     return Status::InvalidArgument(std::string("jax_flash: out_parts has dtype ") +

@@ -97,13 +97,15 @@ ffi::Error BackwardCuda(cudaStream_t stream, int32_t device, AttentionAttrs attr
 }
 
 ffi::Error ForwardMergeCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer out_parts,
-                            ffi::AnyBuffer lse_parts, ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::AnyBuffer> lse) {
+                            ffi::AnyBuffer lse_parts, bool parts_heads_major,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse) {
   ForwardMergeOperands m;
-  Status status = DescribeForwardMerge(out_parts, lse_parts, out, lse, &m);
+  Status status = DescribeForwardMerge(out_parts, lse_parts, out, lse, parts_heads_major, &m);
   sm90::LaunchContext context;
   if (status.ok()) status = GetLaunchContext(stream, device, &context);
-  if (status.ok() && (m.parts > INT32_MAX || m.rows > INT32_MAX || m.head_dim > INT32_MAX)) {
+  if (status.ok() && (m.parts > INT32_MAX || m.query_rows > INT32_MAX ||
+                      m.kv_heads > INT32_MAX || m.group > INT32_MAX ||
+                      m.head_dim > INT32_MAX)) {
     status = Status::InvalidArgument("jax_flash: the forward merge's extents exceed int32");
   }
   if (status.ok()) {
@@ -114,8 +116,11 @@ ffi::Error ForwardMergeCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     params.lse = static_cast<float*>(m.lse.data);
     params.items = m.items;
     params.parts = int32_t(m.parts);
-    params.rows = int32_t(m.rows);
+    params.query_rows = int32_t(m.query_rows);
+    params.kv_heads = int32_t(m.kv_heads);
+    params.group = int32_t(m.group);
     params.head_dim = int32_t(m.head_dim);
+    params.parts_heads_major = parts_heads_major;
     params.dtype = m.out_parts.dtype;
     status = sm90::RunForwardMerge(params, context);
   }
@@ -171,6 +176,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashForwardMergeCuda, jax_flash::ForwardMergeC
                                   .Ctx<xla::ffi::DeviceOrdinal>()
                                   .Arg<xla::ffi::AnyBuffer>()   // out_parts
                                   .Arg<xla::ffi::AnyBuffer>()   // lse_parts
+                                  .Attr<bool>("parts_heads_major")
                                   .Ret<xla::ffi::AnyBuffer>()   // out
                                   .Ret<xla::ffi::AnyBuffer>());  // lse
 

@@ -2,8 +2,10 @@
     \brief The merge of a forward split along the keys (jax_flash/_split_kv.py): each part
            attended one chunk of the keys and holds a normalised output and its log-sum-exp;
            the whole row's lse is the log-sum-exp of the parts' lses, and its output the sum of
-           the parts' outputs weighted by exp(lse_part - lse). A group of up to kMergeMaxLanes
-           threads per (item, row, kMergeColumns columns).
+           the parts' outputs weighted by exp(lse_part - lse). The parts come in the forward's
+           layouts of packed query heads, the merged rows go out in the call's (T, N, H) and
+           (N, T). A group of up to kMergeMaxLanes threads per (item, row, kMergeColumns
+           columns).
 */
 #pragma once
 
@@ -114,26 +116,40 @@ CUTE_DEVICE void merge_row_columns(const float* lse_parts, int64_t lse_stride,
   if (lse != nullptr) *lse = live ? max_lse + __logf(sum) : -INFINITY;
 }
 
-//! One group of Shape::lanes threads per (item, row, kMergeColumns columns).
-template <class Element, class Shape>
+//! One group of Shape::lanes threads per (item, row, kMergeColumns columns), rows in the order
+//! of the merged output: query row t, then key/value head k, then query head g of its group.
+//! Heads-major parts (one query row) are in that order too; parts in rows (T*G, K) take the
+//! row's (t, k, g) apart, which a single row's merge, the most frequent, does not pay for.
+template <class Element, class Shape, bool kPartsHeadsMajor>
 __global__ void __launch_bounds__(kMergeThreads)
     forward_merge_kernel(CUTE_GRID_CONSTANT ForwardMergeParams const p) {
   const int64_t thread = int64_t(blockIdx.x) * kMergeThreads + threadIdx.x;
   const int64_t group = thread / Shape::lanes;
   const int column_groups = p.head_dim / kMergeColumns;
-  if (group >= p.items * p.rows * column_groups) return;
+  const int heads = p.kv_heads * p.group;  // per query row
+  const int rows = p.query_rows * heads;   // per item
+  if (group >= p.items * rows * column_groups) return;
   const int64_t item_row = group / column_groups;  // item * rows + row
   const int column = int(group % column_groups) * kMergeColumns;
-  const int64_t item = item_row / p.rows;
-  const int64_t row = item_row % p.rows;
-  // Part i of this row: its lse at lse_parts[i * rows], its output at out_parts[i * rows * H].
-  const int64_t first_part = item * p.parts * p.rows + row;
+  const int64_t item = item_row / rows;
+  const int row = int(item_row % rows);
+  // The row's place among its part's rows, its part lse's at (k, t*G + g), and its merged lse's
+  // at (k*G + g, t).
+  int part_row = row, part_lse = row, merged_lse = row;
+  if constexpr (!kPartsHeadsMajor) {
+    const int t = row / heads, head = row % heads;  // head = k * G + g
+    const int k = head / p.group, g = head % p.group;
+    part_row = (t * p.group + g) * p.kv_heads + k;
+    part_lse = (k * p.query_rows + t) * p.group + g;
+    merged_lse = head * p.query_rows + t;
+  }
+  const int64_t first_part = item * p.parts * rows;
   merge_row_columns<Shape>(
-      p.lse_parts + first_part, p.rows,
-      static_cast<const Element*>(p.out_parts) + first_part * p.head_dim + column,
-      int64_t(p.rows) * p.head_dim, p.parts, int(thread % Shape::lanes),
+      p.lse_parts + first_part + part_lse, rows,
+      static_cast<const Element*>(p.out_parts) + (first_part + part_row) * p.head_dim + column,
+      int64_t(rows) * p.head_dim, p.parts, int(thread % Shape::lanes),
       static_cast<Element*>(p.out) + item_row * p.head_dim + column,
-      column == 0 ? p.lse + item_row : nullptr);
+      column == 0 ? p.lse + item * rows + merged_lse : nullptr);
 }
 
 }  // namespace jax_flash::sm90

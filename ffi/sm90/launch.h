@@ -113,16 +113,21 @@ Status RunBackward(const BackwardParams& params, const BackwardWorkspaceLayout& 
                    void* workspace, const LaunchContext& context);
 
 //! The merge of a forward split along the keys into parts (jax_flash/_split_kv.py), each part
-//! holding its rows' normalised outputs and log-sum-exps (kernel_fwd_merge.h).
+//! holding its rows' normalised outputs and log-sum-exps (kernel_fwd_merge.h): query rows T,
+//! key/value heads K and the G query heads of each packed as the forward ran them.
 struct ForwardMergeParams {
-  const void* out_parts = nullptr;   //!< (items, parts, rows, head_dim), dtype
-  const float* lse_parts = nullptr;  //!< (items, parts, rows)
-  void* out = nullptr;               //!< (items, rows, head_dim), dtype
-  float* lse = nullptr;              //!< (items, rows)
+  const void* out_parts = nullptr;   //!< (items, parts, K, G, H) if parts_heads_major (T = 1),
+                                     //!< else (items, parts, T*G, K, H); dtype
+  const float* lse_parts = nullptr;  //!< (items, parts, K, T*G)
+  void* out = nullptr;               //!< (items, T, K*G, H), dtype
+  float* lse = nullptr;              //!< (items, K*G, T)
   int64_t items = 0;
   int32_t parts = 0;
-  int32_t rows = 0;
+  int32_t query_rows = 0;  //!< T
+  int32_t kv_heads = 0;    //!< K
+  int32_t group = 0;       //!< G
   int32_t head_dim = 0;
+  bool parts_heads_major = false;
   ElementType dtype = ElementType::kBFloat16;
 };
 

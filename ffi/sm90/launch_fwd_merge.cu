@@ -1,6 +1,6 @@
 /*! \file launch_fwd_merge.cu
     \brief RunForwardMerge: checks the merge's extents and launches a group of threads per
-           (item, row, kMergeColumns columns), its shape chosen by the number of parts.
+           (item, merged row, kMergeColumns columns), its shape chosen by the number of parts.
 */
 #include <climits>
 #include <string>
@@ -13,12 +13,20 @@ namespace jax_flash::sm90 {
 
 namespace {
 
+//! Rows of one item: T * K * G.
+int64_t merged_rows(const ForwardMergeParams& p) {
+  return int64_t(p.query_rows) * p.kv_heads * p.group;
+}
+
 template <class Element, class Shape>
 Status launch_merge_shape(const ForwardMergeParams& p, const LaunchContext& context) {
-  const int64_t threads = p.items * p.rows * (p.head_dim / kMergeColumns) * Shape::lanes;
-  const int64_t blocks = (threads + kMergeThreads - 1) / kMergeThreads;
-  return launch_kernel(forward_merge_kernel<Element, Shape>, int(blocks), kMergeThreads, 0, p,
-                       context, "forward merge");
+  const int64_t threads = p.items * merged_rows(p) * (p.head_dim / kMergeColumns) * Shape::lanes;
+  const int blocks = int((threads + kMergeThreads - 1) / kMergeThreads);
+  return p.parts_heads_major
+             ? launch_kernel(forward_merge_kernel<Element, Shape, true>, blocks, kMergeThreads, 0,
+                             p, context, "forward merge")
+             : launch_kernel(forward_merge_kernel<Element, Shape, false>, blocks, kMergeThreads,
+                             0, p, context, "forward merge");
 }
 
 //! The merge's shape by its number of parts: each lane's parts in one round of loads up to 64
@@ -38,9 +46,14 @@ Status launch_forward_merge(const ForwardMergeParams& p, const LaunchContext& co
 }  // namespace
 
 Status RunForwardMerge(const ForwardMergeParams& p, const LaunchContext& context) {
-  if (p.items < 0 || p.parts < 1 || p.rows < 0 || p.head_dim < 1) {
-    return Status::InvalidArgument("jax_flash: the forward merge needs at least one part and a "
-                                   "positive head dim");
+  if (p.items < 0 || p.parts < 1 || p.query_rows < 0 || p.kv_heads < 0 || p.group < 1 ||
+      p.head_dim < 1) {
+    return Status::InvalidArgument("jax_flash: the forward merge needs at least one part, one "
+                                   "query head per key/value head and a positive head dim");
+  }
+  if (p.parts_heads_major && p.query_rows > 1) {
+    return Status::InvalidArgument("jax_flash: the forward merge takes heads-major parts of one "
+                                   "query row only");
   }
   if (p.head_dim % kMergeColumns != 0) {
     return Status::InvalidArgument("jax_flash: the forward merge takes head dims that are "
@@ -49,13 +62,14 @@ Status RunForwardMerge(const ForwardMergeParams& p, const LaunchContext& context
   }
   // The kernel indexes one item's parts and rows in 32-bit integers, and its grid in blocks.
   constexpr int64_t kMaxBlocks = (int64_t(1) << 31) - 1;
-  if (int64_t(p.parts) * p.rows > INT32_MAX ||
-      (p.items * p.rows * (p.head_dim / kMergeColumns) * kMergeMaxLanes + kMergeThreads - 1) /
+  const int64_t rows = merged_rows(p);
+  if (rows * p.parts > INT32_MAX ||
+      (p.items * rows * (p.head_dim / kMergeColumns) * kMergeMaxLanes + kMergeThreads - 1) /
               kMergeThreads >
           kMaxBlocks) {
     return Status::InvalidArgument("jax_flash: the forward merge has too many rows");
   }
-  if (p.items * p.rows == 0) return Status::Ok();
+  if (p.items * rows == 0) return Status::Ok();
   switch (p.dtype) {
     case ElementType::kBFloat16: return launch_forward_merge<ElementType::kBFloat16>(p, context);
     case ElementType::kFloat16: return launch_forward_merge<ElementType::kFloat16>(p, context);
