@@ -11,8 +11,10 @@ reaches in the same run (bytes read + written over its time, on a 2 GiB buffer).
 
   python bench/bench_decode.py                       # B = 1, 8, 64; T = 1, 4, 16; S = 4k..128k
   python bench/bench_decode.py --batches 1 --queries 1 --seqlens 131072
+  python bench/bench_decode.py --filled 0.9   # a mask of the cache's first 90% of keys
 
-Writes decode_gpu.json and decode_gpu.png under --out (default bench/out).
+Writes decode_gpu.json and decode_gpu.png under --out (default bench/out). With --filled the
+K/V bytes counted are those of the filled keys.
 """
 
 from __future__ import annotations
@@ -47,21 +49,33 @@ def _unsplit():
     _split_kv.plan = plan
 
 
-def _compile(name: str, q, k, v, fa3_splits: int = 1):
+def _compile(name: str, q, k, v, filled=None, fa3_splits: int = 1):
+  """The compiled call of `name`; with `filled` (int32 (B,): the cache's filled keys, a prefix)
+  its keys are limited by a mask array built in the program from it, as Flax's decoding step
+  builds one from the cache index (FA3, which takes no mask: by its cache lengths)."""
   import jax
+  import jax.numpy as jnp
 
   import jax_flash
+
+  def mask_of(filled):
+    if filled is None:
+      return None
+    return (jnp.arange(k.shape[1]) < filled[:, None])[:, None, None, :]  # (B, 1, 1, S)
 
   if name == "fa3":
     from flash_attn3_jax import flash_mha_with_kvcache
 
-    fn = jax.jit(lambda q, k, v: flash_mha_with_kvcache(q, k, v, num_splits=fa3_splits))
+    fn = jax.jit(lambda q, k, v, filled: flash_mha_with_kvcache(
+        q, k, v, cache_seqlens=filled, num_splits=fa3_splits))
   elif name == "cudnn":
-    fn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
+    fn = jax.jit(lambda q, k, v, filled: jax.nn.dot_product_attention(
+        q, k, v, mask=mask_of(filled), implementation="cudnn"))
   else:
-    fn = jax.jit(lambda q, k, v: jax_flash.dot_product_attention(q, k, v))
+    fn = jax.jit(lambda q, k, v, filled: jax_flash.dot_product_attention(
+        q, k, v, mask=mask_of(filled)))
   with _unsplit() if name == "jax_flash_unsplit" else contextlib.nullcontext():
-    return fn.lower(q, k, v).compile()
+    return fn.lower(q, k, v, filled).compile()
 
 
 def copy_bandwidth(iterations: int) -> float:
@@ -75,17 +89,17 @@ def copy_bandwidth(iterations: int) -> float:
   return 2 * x.nbytes / (statistics.median(ms) * 1e-3)
 
 
-def _fastest_fa3_splits(q, k, v, S: int) -> int:
+def _fastest_fa3_splits(args: list, S: int) -> int:
   """FA3's split count of FA3_SPLITS (at least 128 keys a split) with the least median time
-  over a few calls."""
+  over a few calls of `args` (q, k, v, filled)."""
   import jax
 
   best, failure = None, None
   for splits in (n for n in FA3_SPLITS if n == 1 or S // n >= 128):
     try:
-      compiled = _compile("fa3", q, k, v, splits)
-      jax.block_until_ready(compiled(q, k, v))
-      times, _ = bench_attention.time_gpu(compiled, [q, k, v], 5, warmup=1)
+      compiled = _compile("fa3", *args, fa3_splits=splits)
+      jax.block_until_ready(compiled(*args))
+      times, _ = bench_attention.time_gpu(compiled, args, 5, warmup=1)
     except Exception as e:  # a count this shape does not take
       failure = e
       continue
@@ -105,20 +119,26 @@ def run_cell(B: int, T: int, S: int, args, copy_bw: float) -> dict:
   q = jax.random.normal(keys[0], (B, T, args.heads, args.head_dim), args.dtype)
   k = jax.random.normal(keys[1], (B, S, args.kv_heads, args.head_dim), args.dtype)
   v = jax.random.normal(keys[2], (B, S, args.kv_heads, args.head_dim), args.dtype)
+  filled = None
   kv_bytes = k.nbytes + v.nbytes
+  if args.filled is not None:  # the keys to read: the cache's filled prefix
+    keys_filled = max(1, int(S * args.filled))
+    filled = jax.numpy.full((B,), keys_filled, jax.numpy.int32)
+    kv_bytes = kv_bytes * keys_filled // S
+  call_args = [q, k, v, filled]
   record = {"B": B, "T": T, "S": S, "kv_bytes": kv_bytes, "results": {}}
   reference = None
   for name in args.impls.split(","):
     r = {}
     try:
       if name == "fa3":
-        r["num_splits"] = _fastest_fa3_splits(q, k, v, S)
-      compiled = _compile(name, q, k, v, r.get("num_splits", 1))
-      out = compiled(q, k, v)
+        r["num_splits"] = _fastest_fa3_splits(call_args, S)
+      compiled = _compile(name, *call_args, fa3_splits=r.get("num_splits", 1))
+      out = compiled(*call_args)
       if reference is None:
         reference = np.asarray(out, np.float32)
       r["max_abs_diff"] = float(np.abs(np.asarray(out, np.float32) - reference).max())
-      times, method = bench_attention.time_gpu(compiled, [q, k, v], args.iterations, warmup=1)
+      times, method = bench_attention.time_gpu(compiled, call_args, args.iterations, warmup=1)
       r.update(us=statistics.median(times) * 1e3, timing=method)
       r["bandwidth"] = kv_bytes / (r["us"] * 1e-6)
       r["of_copy"] = r["bandwidth"] / copy_bw
@@ -193,6 +213,9 @@ def parse_args(argv=None):
   p.add_argument("--head-dim", type=int, default=128)
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--impls", default=",".join(IMPLS))
+  p.add_argument("--filled", type=float, default=None,
+                 help="a decoding step's mask: keys past this fraction of the cache masked, by "
+                      "a (B, 1, 1, S) mask array built in the program (FA3: its cache lengths)")
   p.add_argument("--iterations", type=int, default=20)
   p.add_argument("--max-kv-gib", type=float, default=16.0,
                  help="skip cells whose K and V take more than this")
@@ -217,6 +240,7 @@ def main(argv=None) -> dict:
       "metadata": {**bench_attention.run_metadata("gpu"), "impls": args.impls.split(","),
                    "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
                    "dtype": args.dtype, "iterations": args.iterations, "copy_bandwidth": copy_bw,
+                   "filled": args.filled,
                    "timing": "sum of the kernels' CUPTI durations per call, median"},
       "results": results,
   }

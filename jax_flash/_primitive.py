@@ -465,18 +465,18 @@ def _cuda_call(kernel: _config.Kernel, kernel_call, blockwise_call, config, q, b
 
 def _gpu_forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
   """The Hopper forward; decoding shapes (few query rows against many keys) by `_split_kv`."""
-  plan = None
-  if bias is None and mask is None:
-    plan = _split_kv.plan(q.shape, k.shape, config, q_seg is not None)
+  tile = _config.SM90_FORWARD.tile_for(q.shape[-1])
+  plan = _split_kv.plan(q.shape, k.shape, config, q_seg is not None)
   if plan is None:
     return _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg,
-                         gpu_tile=_config.SM90_FORWARD.tile_for(q.shape[-1]))
+                         gpu_tile=tile)
 
-  def call(q, k, v, q_len, kv_len, heads_major):
-    return _forward_call(config, q, k, v, None, None, q_len, kv_len, None, None,
+  def call(q, k, v, bias, mask, q_len, kv_len, heads_major):
+    return _forward_call(config, q, k, v, bias, mask, q_len, kv_len, None, None, gpu_tile=tile,
                          heads_major=heads_major)
 
-  return _split_kv.forward(plan, call, q, k, v, q_len, kv_len, merge_parts=_forward_merge_call)
+  return _split_kv.forward(plan, call, q, k, v, bias, mask, q_len, kv_len,
+                           merge_parts=_forward_merge_call)
 
 
 def _forward_impl(spec: _sharding.CallSpec, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):

@@ -19,7 +19,9 @@ same keys again. So, for calls that fit (`plan`):
 The log-sum-exp returned is the merged one, so the backward (which recomputes from it) is that
 of the plain call. Only calls without a window (and so without causal masking, whose rows
 would see different keys in each chunk) and without segment ids take this path; sequence
-lengths do (a chunk's key length is the part of the global length inside it).
+lengths do (a chunk's key length is the part of the global length inside it), and so do mask
+and bias arrays (a decoding step's mask of the cache's filled positions, as Flax builds it):
+their heads and rows are packed as the query's, their keys chunked as the keys (`_packed`).
 """
 
 from __future__ import annotations
@@ -127,15 +129,41 @@ def _only_chunk(out, lse, query_rows: int, heads_major: bool):
   return _from_call_layout(out, lse)
 
 
-def forward(p: Plan, call, q, k, v, q_len, kv_len, merge_parts=merge):
+def _packed(x, T: int, K: int, G: int, P: int, heads_major: bool):
+  """A mask or bias (..., N|1, T|1, S|1) as the packed and chunked problem's: (..., P|1, K|1,
+  R|1, C|1), its rows R those of the packed query (g heads-major, else t*G + g) and C = S / P
+  keys of chunk p. Axes it broadcasts stay broadcast where the packing allows (a mask of the
+  keys alone, as Flax's decoding step gives it, is only reshaped)."""
+  if x is None:
+    return None
+  *lead, heads, rows, keys = x.shape
+  lead = tuple(lead)
+  if heads > 1:
+    x = x.reshape(lead + (K, G, rows, keys))
+    if heads_major:  # one query row: rows g
+      x = x[..., 0, :]
+    else:  # rows t*G + g
+      x = jnp.broadcast_to(jnp.swapaxes(x, -3, -2), lead + (K, T, G, keys))
+      x = x.reshape(lead + (K, T * G, keys))
+  elif rows > 1:  # the same for every head: rows t*G + g of row t
+    x = jnp.broadcast_to(x[..., None, :], lead + (1, T, G, keys))
+    x = x.reshape(lead + (1, T * G, keys))
+  if keys == 1:
+    return x[..., None, :, :, :]
+  x = x.reshape(x.shape[:-1] + (P, keys // P))
+  return jnp.moveaxis(x, -2, -4)
+
+
+def forward(p: Plan, call, q, k, v, bias, mask, q_len, kv_len, merge_parts=merge):
   """(out, lse) of the attention of q against k, v by `p`, where
-  `call(q, k, v, q_len, kv_len, heads_major)` runs the forward kernel on operands with any
-  number of leading batch axes, q and its output laid out (..., N, T, H) where heads_major, and
-  `merge_parts` combines the chunks' results as `merge` does."""
+  `call(q, k, v, bias, mask, q_len, kv_len, heads_major)` runs the forward kernel on operands
+  with any number of leading batch axes, q and its output laid out (..., N, T, H) where
+  heads_major, and `merge_parts` combines the chunks' results as `merge` does."""
   T, _, H = q.shape[-3:]
   S, K, _ = k.shape[-3:]
   G = p.groups
   batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3],
+                               *(x.shape[:-3] for x in (bias, mask) if x is not None),
                                *(x.shape for x in (q_len, kv_len) if x is not None))
   # Query heads k*G + g -> rows t*G + g of head k: for one row a reshape into the heads-major
   # (..., K, G, H), else a transposition into (..., T*G, K, H).
@@ -161,5 +189,6 @@ def forward(p: Plan, call, q, k, v, q_len, kv_len, merge_parts=merge):
     kv_len = _validation.lengths_within(jnp.broadcast_to(kv_len, batch)[..., None], starts, C)
   # (batch..., P, K, G, H) and (batch..., P, K, G) where heads_major, else (batch..., P, T*G,
   # K, H) and (batch..., P, K, T*G).
-  out, lse = call(rows, k, v, q_len, kv_len, heads_major)
+  bias, mask = (_packed(x, T, K, G, P, heads_major) for x in (bias, mask))
+  out, lse = call(rows, k, v, bias, mask, q_len, kv_len, heads_major)
   return (merge_parts if P > 1 else _only_chunk)(out, lse, T, heads_major)

@@ -69,6 +69,14 @@ def cases():
                  S=2048, N=8, K=2)
       yield dict(H=H, dtype=dtypes[1 % len(dtypes)], is_causal=False, window=None,
                  lengths="ragged", T=3, S=2048, N=8, K=2)
+      # The same with logit arrays, packed and chunked as the query and the keys (the mask's
+      # bits and classes, the bias's classes and TMA tiles on the default tile).
+      if "mask" in _config.SM90_FORWARD.features:
+        yield dict(H=H, dtype=dtypes[0], is_causal=False, window=None, lengths="ragged", T=1,
+                   S=2048, N=8, K=2, mask="patches")
+      if "bias" in _config.SM90_FORWARD.features:
+        yield dict(H=H, dtype=dtypes[1 % len(dtypes)], is_causal=False, window=None,
+                   lengths=None, T=3, S=2048, N=8, K=2, bias="B1TS")
     if "softcap" in _config.SM90_FORWARD.features | _config.SM90_BACKWARD.features:
       yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=True, window=None,
                  lengths="ragged", softcap=2.0)

@@ -38,30 +38,53 @@ LENGTHS = {"none": None,
                         lambda T, S: [_INT32_MAX, _INT32_MIN, S + 1])}
 
 
+#: Mask and bias arrays of a decoding step, (B|1, N|1, T|1, S|1): the cache's filled positions
+#: per item (as Flax's decoding mask), a random mask per head and row, a bias per head and key
+#: (ALiBi-like), a bias per item, row and key; and a mask with a bias.
+def _logit_arrays(kind, B, T, S, N, rng):
+  filled = np.arange(S) < np.asarray([S, 700, 1])[:B, None]  # item 2: one key
+  arrays = {
+      "none": (None, None),
+      "cache_mask": (None, filled[:, None, None, :]),
+      "head_row_mask": (None, rng.random((B, N, T, S)) < 0.7),
+      "head_bias": (rng.standard_normal((1, N, 1, S)), None),
+      "row_bias": (rng.standard_normal((B, 1, T, S)), None),
+      "mask_and_bias": (rng.standard_normal((1, N, 1, S)), filled[:, None, None, :]),
+  }
+  bias, mask = arrays[kind]
+  return (None if bias is None else jnp.asarray(bias, jnp.float32),
+          None if mask is None else jnp.asarray(mask))
+
+
 @pytest.mark.parametrize("groups,splits", [(1, 2), (4, 1), (4, 8), (2, 4)])
-@pytest.mark.parametrize("lengths", list(LENGTHS))
+@pytest.mark.parametrize("lengths,arrays", [(lengths, "none") for lengths in LENGTHS] + [
+    (lengths, arrays) for lengths in ("none", "ragged")
+    for arrays in ("cache_mask", "head_row_mask", "head_bias", "row_bias", "mask_and_bias")])
 @pytest.mark.parametrize("T", [3, 1])
-def test_split_and_packed_forward_equals_the_plain_call(groups, splits, lengths, T):
+def test_split_and_packed_forward_equals_the_plain_call(groups, splits, lengths, arrays, T):
   """The transformation around the CPU kernel gives the plain call's output and log-sum-exp,
-  without lengths, with ragged ones and with the int32 extremes (LENGTHS). One query row takes
-  the kernel's heads-major layout, more rows the transposed query."""
+  without lengths, with ragged ones and with the int32 extremes (LENGTHS), and with mask and
+  bias arrays packed and chunked as the query and the keys. One query row takes the kernel's
+  heads-major layout, more rows the transposed query."""
   B, S, K, H = 3, 1024, 2, 16
   q, k, v = _inputs(B, T, S, K * groups, K, H, jnp.float32)
+  bias, mask = _logit_arrays(arrays, B, T, S, K * groups, np.random.default_rng(1))
   q_len = kv_len = None
   if LENGTHS[lengths] is not None:
     q_len, kv_len = (jnp.asarray(f(T, S), jnp.int32) for f in LENGTHS[lengths])
   call = functools.partial(_primitive._forward_call, PLAIN)
-  want_out, want_lse = jax.jit(call)(q, k, v, None, None, q_len, kv_len, None, None)
+  want_out, want_lse = jax.jit(call)(q, k, v, bias, mask, q_len, kv_len, None, None)
   layouts = []
 
-  def kernel(q, k, v, q_len, kv_len, heads_major):
+  def kernel(q, k, v, bias, mask, q_len, kv_len, heads_major):
     layouts.append(heads_major)
-    return call(q, k, v, None, None, q_len, kv_len, None, None, heads_major=heads_major)
+    return call(q, k, v, bias, mask, q_len, kv_len, None, None, heads_major=heads_major)
 
-  def split(q, k, v):
-    return _split_kv.forward(_split_kv.Plan(groups, splits), kernel, q, k, v, q_len, kv_len)
+  def split(q, k, v, bias, mask):
+    return _split_kv.forward(_split_kv.Plan(groups, splits), kernel, q, k, v, bias, mask, q_len,
+                             kv_len)
 
-  out, lse = jax.jit(split)(q, k, v)
+  out, lse = jax.jit(split)(q, k, v, bias, mask)
   assert layouts == [T == 1]
   assert out.shape == want_out.shape and lse.shape == want_lse.shape
   np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
@@ -132,6 +155,14 @@ DECODE_CASES = [
     Case(T=2, S=8192, B=None, N=4, K=4, H=64),
     Case(T=1, S=8192, B=2, N=8, K=1, H=256, softcap=30.0, kv_lens=(5000, 8192)),
     Case(T=1, S=4096, B=3, N=32, K=8, H=64, q_lens=(1, 0, 1), kv_lens=(4096, 1, 0)),
+    # Mask and bias arrays, packed and chunked with the query and the keys: a mask of keys per
+    # item (a decoding step's cache), one per head and row with dead rows, a bias per head and
+    # key, a bias per row with a mask of keys, a mask under soft-capping.
+    Case(T=1, S=8192, B=2, N=8, K=2, H=128, mask="B11S", kv_lens=(8192, 3001)),
+    Case(T=4, S=4096, B=2, N=16, K=4, H=128, mask="BNTS", dead_rows=True),
+    Case(T=1, S=8192, B=2, N=8, K=2, H=128, bias="1N1S"),
+    Case(T=3, S=4096, B=2, N=8, K=2, H=64, bias="B1TS", mask="B11S"),
+    Case(T=1, S=4096, B=2, N=16, K=4, H=128, mask="B11S", softcap=30.0),
 ]
 
 
