@@ -34,12 +34,22 @@ class Sm90ForwardTile:
   prefer_causal_up_to: int = 0
   prefer_segment_ids: bool = False
   prefer_rows_up_to: int = 0
+  # Takes mask and bias arrays too, and prefers the calls with them its preference names (a
+  # default tile takes them always).
+  arrays: bool = False
   # The consumer warpgroups take turns at the softmax (tiles of two warpgroups; kernel only).
   softmax_turns: bool = False
 
   @property
   def is_default(self) -> bool:
     return not (self.prefer_causal_up_to or self.prefer_segment_ids or self.prefer_rows_up_to)
+
+  def prefers(self, rows: int, causal: bool, segment_ids: bool) -> bool:
+    """Whether the tile's preferences name a problem of `rows` query rows (the kernel's rows:
+    packed query heads count as rows), causal or not, with or without segment ids."""
+    return bool((self.prefer_causal_up_to and causal and rows <= self.prefer_causal_up_to) or
+                (self.prefer_segment_ids and segment_ids) or
+                (self.prefer_rows_up_to and rows <= self.prefer_rows_up_to))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,12 +90,22 @@ class Kernel:
     used = {name for name, on in wanted if on}
     return used <= self.features and (len(used) <= 1 or used in self.combinations)
 
-  def tile_for(self, head_dim: int):
+  def tile_for(self, head_dim: int, rows: int | None = None, causal: bool = False,
+               segment_ids: bool = False):
     """The tile of the smallest compiled head dim that covers `head_dim`; of a forward's
-    several, the default (the one a problem with a mask array runs on)."""
+    several, the one a problem of `rows` query rows (None: a problem no preference names)
+    with a mask or bias array runs on, the tile its block classes are computed for: the first
+    that takes arrays and whose preference names the problem (Sm90ForwardTile.prefers), else
+    the default. The CUDA handler's RunForward (ffi/sm90/dispatch.cc) follows the same rule."""
     covering = min(t.head_dim for t in self.tiles if t.head_dim >= head_dim)
     tiles = [t for t in self.tiles if t.head_dim == covering]
-    return tiles[0] if len(tiles) == 1 else next(t for t in tiles if t.is_default)
+    if len(tiles) == 1:
+      return tiles[0]
+    default = next(t for t in tiles if t.is_default)
+    if rows is None:
+      return default
+    return next((t for t in tiles if t.arrays and t.prefers(rows, causal, segment_ids)),
+                default)
 
 
 def _dtype(name: str) -> np.dtype:

@@ -80,7 +80,7 @@ from ._validation import AttentionConfig, gpu_kernels_run
 
 
 def _attributes(config: AttentionConfig, bias, bias_tiles, mask, mask_tiles, q_len, kv_len,
-                q_seg, bias_gradient=False, heads_major=False) -> dict:
+                q_seg, bias_gradient=False, query_groups=1) -> dict:
   # XLA FFI attributes are typed exactly: float64 scale and softcap, int64 windows, bool flags.
   return dict(
       scale=np.float64(config.scale),
@@ -96,7 +96,7 @@ def _attributes(config: AttentionConfig, bias, bias_tiles, mask, mask_tiles, q_l
       has_segment_ids=q_seg is not None,
       deterministic=bool(config.deterministic),
       has_dbias=bool(bias_gradient),
-      heads_major=bool(heads_major),
+      query_groups=np.int64(query_groups),
   )
 
 
@@ -286,34 +286,34 @@ def _logit_array_tiles(bias, mask, tile, T, S, rows_are_keys):
 
 
 def _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, *, gpu_tile=None,
-                  heads_major=False):
+                  query_groups=1):
   """The forward FFI call. With gpu_tile (the CUDA handler's tile for the problem) a mask or
   bias travels with its operands for the Hopper kernels (`_mask_tiles`, `_bias_tiles`). With
-  heads_major, q and the output are laid out (batch..., N, T, H)."""
+  query_groups G > 1 the kernels attend q (batch..., T, N, H) as N / G heads of T*G rows (row
+  t*G + g of head k: query row t of head k*G + g), which a mask or bias and the lengths then
+  describe; the results keep the call's layouts."""
   _extension.ensure_registered()
   batch = _batch_shape(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
   T, N, _ = q.shape[-3:]
-  if heads_major:
-    N, T = T, N
   result_types = (jax.ShapeDtypeStruct(batch + q.shape[-3:], q.dtype),
                   jax.ShapeDtypeStruct(batch + (N, T), _config.accumulation_dtype(q.dtype)))
   call = jax.ffi.ffi_call(_extension.FORWARD_TARGET, result_types, vmap_method="expand_dims")
   tiles, bias_tiles = [], []
   if gpu_tile is not None:
-    tiles, bias_tiles = _logit_array_tiles(bias, mask, gpu_tile, T, k.shape[-3],
+    tiles, bias_tiles = _logit_array_tiles(bias, mask, gpu_tile, T * query_groups, k.shape[-3],
                                            rows_are_keys=False)
     mask = None  # taken as its tiles
   operands = (q, k, v, *_present(bias), *bias_tiles, *_present(mask), *tiles,
               *_present(q_len, kv_len), *_segments(q_seg, kv_seg))
   results = call(*operands, **_attributes(config, bias, bias_tiles, mask, tiles, q_len, kv_len,
-                                          q_seg, heads_major=heads_major))
+                                          q_seg, query_groups=query_groups))
   return tuple(_varying.varying_like(results, *operands))
 
 
 def _forward_merge_call(out, lse, query_rows: int, heads_major: bool):
   """`_split_kv.merge` by the CUDA handler's kernel: the chunks' out (..., P, A, B, H) and lse
-  (..., P, K, T*G), A, B = K, G where heads_major (T = 1) else T*G, K, -> the call's out
-  (..., T, K*G, H) and lse (..., K*G, T)."""
+  (..., P, K, T*G), A, B = K, G where heads_major (T = 1) else T*G, K (the call's layout: G =
+  1), -> the call's out (..., T, K*G, H) and lse (..., K*G, T)."""
   _extension.ensure_registered()
   lead, (P, A, B, H) = out.shape[:-4], out.shape[-4:]
   T, N = query_rows, A * B // query_rows
@@ -465,18 +465,21 @@ def _cuda_call(kernel: _config.Kernel, kernel_call, blockwise_call, config, q, b
 
 def _gpu_forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
   """The Hopper forward; decoding shapes (few query rows against many keys) by `_split_kv`."""
-  tile = _config.SM90_FORWARD.tile_for(q.shape[-1])
   plan = _split_kv.plan(q.shape, k.shape, config, q_seg is not None)
   if plan is None:
+    tile = _config.SM90_FORWARD.tile_for(q.shape[-1], q.shape[-3], config.window_right == 0,
+                                         q_seg is not None)
     return _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg,
                          gpu_tile=tile)
 
-  def call(q, k, v, bias, mask, q_len, kv_len, heads_major):
+  def call(q, k, v, bias, mask, q_len, kv_len, query_groups):
+    # Split problems have no window (_split_kv.plan): rows are the packed query heads'.
+    tile = _config.SM90_FORWARD.tile_for(q.shape[-1], q.shape[-3] * query_groups)
     return _forward_call(config, q, k, v, bias, mask, q_len, kv_len, None, None, gpu_tile=tile,
-                         heads_major=heads_major)
+                         query_groups=query_groups)
 
   return _split_kv.forward(plan, call, q, k, v, bias, mask, q_len, kv_len,
-                           merge_parts=_forward_merge_call)
+                           merge_parts=_forward_merge_call, rows_in_place=True)
 
 
 def _forward_impl(spec: _sharding.CallSpec, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):

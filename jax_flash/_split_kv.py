@@ -7,9 +7,11 @@ few to fill the GPU, and under grouped-query attention every query head of a gro
 same keys again. So, for calls that fit (`plan`):
 
 - the query heads of a key/value group become query rows: q ``(batch..., T, K*G, H)`` is
-  attended as ``(batch..., T*G, K, H)`` (row ``t*G + g``), and K/V are read once per group.
-  A single row (T = 1) needs no copy: ``(batch..., 1, K*G, H)`` is already ``(batch..., K, G,
-  H)``, rows ``g`` of head ``k`` in the kernel's heads-major layout, and so is its output;
+  attended as K heads of T*G rows (row ``t*G + g``), and K/V are read once per group. The
+  forward kernel reads them in place (the FFI call's query_groups): one row's G heads are
+  rows one head apart, several rows' are addressed by the Hopper kernels in two strides,
+  where G divides their query blocks. Otherwise (and on the CPU, whose kernel packs one row
+  only) q is transposed into ``(batch..., T*G, K, H)`` first;
 - the keys are split into `splits` equal chunks, each a batch item of its own (a reshape, no
   copy; the queries broadcast over the new batch axis), and the chunks' partial results merge
   exactly through their log-sum-exps (`merge`). On the GPU one small kernel (jax_flash's
@@ -113,7 +115,8 @@ def merge(out, lse, query_rows: int, heads_major: bool):
   """The exact combination of the chunks' partial results, laid out as the forward kernel gave
   them: out (..., P, K, G, H) and lse (..., P, K, G) where heads_major (one query row), else out
   (..., P, T*G, K, H) and lse (..., P, K, T*G) -> the call's out (..., T, K*G, H) and lse
-  (..., K*G, T). (On the GPU one kernel does the same: jax_flash's forward merge.)"""
+  (..., K*G, T). (Results already in the call's layout are the latter with G = 1. On the GPU
+  one kernel does the same: jax_flash's forward merge.)"""
   out, lse = _to_call_layout(out, lse, query_rows, heads_major)
   total = jax.nn.logsumexp(lse, axis=-4)
   live = jnp.isfinite(total)[..., None, :, :, :]
@@ -154,25 +157,28 @@ def _packed(x, T: int, K: int, G: int, P: int, heads_major: bool):
   return jnp.moveaxis(x, -2, -4)
 
 
-def forward(p: Plan, call, q, k, v, bias, mask, q_len, kv_len, merge_parts=merge):
+def forward(p: Plan, call, q, k, v, bias, mask, q_len, kv_len, merge_parts=merge,
+            rows_in_place=False):
   """(out, lse) of the attention of q against k, v by `p`, where
-  `call(q, k, v, bias, mask, q_len, kv_len, heads_major)` runs the forward kernel on operands
-  with any number of leading batch axes, q and its output laid out (..., N, T, H) where
-  heads_major, and `merge_parts` combines the chunks' results as `merge` does."""
+  `call(q, k, v, bias, mask, q_len, kv_len, query_groups)` runs the forward kernel on operands
+  with any number of leading batch axes (query_groups as the FFI call's: the query heads of a
+  group read as rows in place), `merge_parts` combines the chunks' results as `merge` does, and
+  rows_in_place says whether `call` takes query_groups with several query rows."""
   T, _, H = q.shape[-3:]
   S, K, _ = k.shape[-3:]
   G = p.groups
   batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3],
                                *(x.shape[:-3] for x in (bias, mask) if x is not None),
                                *(x.shape for x in (q_len, kv_len) if x is not None))
-  # Query heads k*G + g -> rows t*G + g of head k: for one row a reshape into the heads-major
-  # (..., K, G, H), else a transposition into (..., T*G, K, H).
+  # Query heads k*G + g -> rows t*G + g of head k: read in place (G dividing every tile's query
+  # block, a multiple of MAX_PACKED_ROWS), else transposed into (..., T*G, K, H).
   heads_major = T == 1
-  if heads_major:
-    rows = q.reshape(q.shape[:-3] + (K, G, H))
+  if heads_major or (rows_in_place and MAX_PACKED_ROWS % G == 0):
+    rows, query_groups = q, G
   else:
     rows = q.reshape(q.shape[:-2] + (K, G, H))
     rows = jnp.swapaxes(rows, -3, -2).reshape(q.shape[:-3] + (T * G, K, H))
+    query_groups = 1
   # Lengths are taken within their axes first (any int32 is a legal length), so that the
   # arithmetic below cannot wrap around.
   if q_len is not None:
@@ -187,8 +193,12 @@ def forward(p: Plan, call, q, k, v, bias, mask, q_len, kv_len, merge_parts=merge
   if kv_len is not None:
     starts = jnp.arange(P, dtype=jnp.int32) * C
     kv_len = _validation.lengths_within(jnp.broadcast_to(kv_len, batch)[..., None], starts, C)
-  # (batch..., P, K, G, H) and (batch..., P, K, G) where heads_major, else (batch..., P, T*G,
-  # K, H) and (batch..., P, K, T*G).
   bias, mask = (_packed(x, T, K, G, P, heads_major) for x in (bias, mask))
-  out, lse = call(rows, k, v, bias, mask, q_len, kv_len, heads_major)
+  out, lse = call(rows, k, v, bias, mask, q_len, kv_len, query_groups)
+  # In place: the call's (batch..., P, T, N, H) and (batch..., P, N, T), which for one row is
+  # the heads-major (..., K, G, H) and (..., K, G); else (..., P, T*G, K, H) and (..., P, K,
+  # T*G).
+  if heads_major:
+    out = out.reshape(out.shape[:-3] + (K, G, H))
+    lse = lse.reshape(lse.shape[:-2] + (K, G))
   return (merge_parts if P > 1 else _only_chunk)(out, lse, T, heads_major)

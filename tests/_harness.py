@@ -194,7 +194,8 @@ def handler_attrs(**overrides):
   attrs = dict(scale=np.float64(0.125), softcap=np.float64(0.0), window_left=np.int64(-1),
                window_right=np.int64(-1), has_bias=False, has_bias_blocks=False, has_mask=False,
                has_mask_blocks=False, has_q_seqlens=False, has_kv_seqlens=False,
-               has_segment_ids=False, deterministic=False, has_dbias=False, heads_major=False)
+               has_segment_ids=False, deterministic=False, has_dbias=False,
+               query_groups=np.int64(1))
   attrs.update(overrides)
   return attrs
 

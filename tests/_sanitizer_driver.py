@@ -61,8 +61,8 @@ def cases():
     if any(t.prefer_rows_up_to for t in _config.SM90_FORWARD_TILES if t.head_dim == H):
       # Few query rows (the tile this head dim prefers for them), and decoding steps: one
       # row and three rows against split keys (jax_flash/_split_kv.py), 4 query heads per
-      # key/value head packed into rows, the chunks merged by the merge kernel from either
-      # layout of the rows.
+      # key/value head packed into rows in place (three rows through the forward's
+      # five-dimensional TMA boxes), the chunks merged by the merge kernel from either layout.
       yield dict(H=H, dtype=dtypes[1 % len(dtypes)], is_causal=False, window=None,
                  lengths=None, T=13)
       yield dict(H=H, dtype=dtypes[0], is_causal=False, window=None, lengths="ragged", T=1,

@@ -29,7 +29,7 @@ def test_capabilities_agree_with_the_table():
   assert caps["gpu"]["tiles"] == [
       dict(head_dim=t.head_dim, block_m=t.block_m, block_n=t.block_n, stages=t.stages,
            prefer_causal_up_to=t.prefer_causal_up_to, prefer_segment_ids=t.prefer_segment_ids,
-           prefer_rows_up_to=t.prefer_rows_up_to, softmax_turns=t.softmax_turns)
+           prefer_rows_up_to=t.prefer_rows_up_to, arrays=t.arrays, softmax_turns=t.softmax_turns)
       for t in _config.SM90_FORWARD_TILES]
   assert [t["head_dim"] for t in caps["gpu"]["backward_tiles"]] == list(_config.GPU_HEAD_DIMS)
   assert caps["gpu"]["kernel_features"] == {
@@ -154,6 +154,27 @@ def test_table_is_consistent():
     assert tile.head_dim % (tile.dq_slices * 8) == 0
     assert min(tile.stages_q, tile.stages_do, tile.stages_ds) >= 1
     assert tile.stages_q_with_bias >= 0
+
+
+def test_forward_tile_for_arrays_follows_the_preferences():
+  """A problem with a mask or bias array runs on the first tile of its head dim that takes
+  arrays and whose preference names it, else on the default: the tile whose blocks Python
+  classifies must be the one the CUDA handler picks (the handler checks the classes' extents)."""
+  forward = _config.SM90_FORWARD
+  for head_dim in _config.GPU_HEAD_DIMS:
+    tiles = [t for t in _config.SM90_FORWARD_TILES if t.head_dim == head_dim]
+    default = next(t for t in tiles if t.is_default)
+    assert forward.tile_for(head_dim) == default
+    for rows in (1, 16, 64, 65, 128, 2048, 2049, 8192):
+      for causal in (False, True):
+        for segment_ids in (False, True):
+          tile = forward.tile_for(head_dim, rows, causal, segment_ids)
+          listed = [t for t in tiles if t.arrays and t.prefers(rows, causal, segment_ids)]
+          assert tile == (listed[0] if listed else default)
+          assert tile.is_default or (tile.arrays and tile.prefers(rows, causal, segment_ids))
+  decoding = [t for t in _config.SM90_FORWARD_TILES if t.arrays and t.prefer_rows_up_to]
+  for tile in decoding:  # a decoding step's packed rows run on the tile that prefers few rows
+    assert forward.tile_for(tile.head_dim, tile.prefer_rows_up_to) == tile
 
 
 def test_gpu_head_dim_supported_follows_the_table():

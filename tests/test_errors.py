@@ -657,17 +657,18 @@ def test_backward_handler_rejects_dbias_flag_without_bias():
     _backward(operands, results + [((1, 4, 5, 7), np.float32)], has_dbias=True)
 
 
-def test_forward_handler_reads_the_query_in_the_layout_of_the_output():
-  """heads_major: q is (batch, N, T, H) like out; one laid out (batch, T, N, H) is refused."""
+@pytest.mark.parametrize("groups", [0, -2, 3])
+def test_forward_handler_rejects_query_groups_that_do_not_divide_the_heads(groups):
+  """query_groups must be positive and divide the query heads (4 here)."""
   q, k, v = (np.zeros(x.shape, np.float32) for x in arrays())  # q (2, 5, 4, 8): T = 5, N = 4
-  with pytest.raises(jax.errors.JaxRuntimeError, match="query"):
-    _forward([q, k, v], out_shape=(2, 4, 5, 8), heads_major=True)
+  with pytest.raises(jax.errors.JaxRuntimeError, match="query_groups"):
+    _forward([q, k, v], out_shape=q.shape, query_groups=np.int64(groups))
 
 
-def test_backward_handler_rejects_heads_major():
+def test_backward_handler_rejects_query_groups():
   operands, results = _backward_parts()
-  with pytest.raises(jax.errors.JaxRuntimeError, match="heads_major"):
-    _backward(operands, results, heads_major=True)
+  with pytest.raises(jax.errors.JaxRuntimeError, match="query_groups"):
+    _backward(operands, results, query_groups=np.int64(2))
 
 
 def test_backward_handler_takes_a_bias_without_its_gradient():

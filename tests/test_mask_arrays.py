@@ -285,6 +285,38 @@ def test_gpu_mask_with_causal_window_and_lengths(platform):
   check_gradients(case, platform, inp=inp)
 
 
+#: Tiles that also take mask and bias arrays for the few query rows they prefer (decoding).
+_FEW_ROWS_TILES = [t for t in _config.SM90_FORWARD_TILES if t.arrays and t.prefer_rows_up_to]
+
+
+@with_platform("platform,H,rows",
+               [pytest.param("gpu", t.head_dim, rows, marks=pytest.mark.gpu,
+                             id=f"gpu-{t.head_dim}-T{rows}")
+                for t in _FEW_ROWS_TILES for rows in (1, 37, t.prefer_rows_up_to)])
+def test_gpu_logit_arrays_of_few_query_rows(platform, H, rows):
+  """Few query rows with logit arrays run on the tile that prefers them, which classifies
+  their blocks as its own: a mask per head with dead rows and ragged lengths, the same under a
+  soft cap, and a bias with a mask of keys where the kernels combine the pair; forward and
+  gradients, both dtypes. (As many query as key/value heads and 700 keys: the plain forward,
+  not the decoding split.)"""
+  assert _config.SM90_FORWARD.tile_for(H, rows).arrays
+  for dtype in _config.GPU_DTYPES:
+    case = Case(B=2, T=rows, S=700, N=4, K=4, H=H, dtype=dtype.name, mask="BNTS",
+                q_lens=(rows, max(rows - 3, 0)), kv_lens=(700, 301))
+    inp = make_inputs(case)
+    inp = dataclasses.replace(inp, mask=_patches(np.random.default_rng(3), inp.mask.shape)
+                              & (np.arange(rows) % 5 != 1)[:, None])
+    check_forward(case, platform, inp=inp)
+    check_gradients(case, platform, inp=inp)
+    if _config.SM90_FORWARD.takes(bias=False, mask=True, softcap=True, segment_ids=False):
+      capped = dataclasses.replace(case, softcap=20.0)
+      check_forward(capped, platform, inp=inp)
+    if _config.SM90_FORWARD.takes(bias=True, mask=True, softcap=False, segment_ids=False):
+      paired = dataclasses.replace(case, bias="1NTS", mask="B11S")
+      check_forward(paired, platform)
+      check_gradients(paired, platform)
+
+
 @with_platform("platform,H,cap",
                [pytest.param("gpu", H, cap, marks=pytest.mark.gpu, id=f"gpu-{H}-cap{cap:g}")
                 for H, cap in zip(_config.GPU_HEAD_DIMS, (5.0, 30.0, 50.0))])

@@ -64,8 +64,8 @@ def _logit_arrays(kind, B, T, S, N, rng):
 def test_split_and_packed_forward_equals_the_plain_call(groups, splits, lengths, arrays, T):
   """The transformation around the CPU kernel gives the plain call's output and log-sum-exp,
   without lengths, with ragged ones and with the int32 extremes (LENGTHS), and with mask and
-  bias arrays packed and chunked as the query and the keys. One query row takes the kernel's
-  heads-major layout, more rows the transposed query."""
+  bias arrays packed and chunked as the query and the keys. One query row's heads are packed
+  in place (query_groups), more rows' by the transposed query."""
   B, S, K, H = 3, 1024, 2, 16
   q, k, v = _inputs(B, T, S, K * groups, K, H, jnp.float32)
   bias, mask = _logit_arrays(arrays, B, T, S, K * groups, np.random.default_rng(1))
@@ -76,16 +76,16 @@ def test_split_and_packed_forward_equals_the_plain_call(groups, splits, lengths,
   want_out, want_lse = jax.jit(call)(q, k, v, bias, mask, q_len, kv_len, None, None)
   layouts = []
 
-  def kernel(q, k, v, bias, mask, q_len, kv_len, heads_major):
-    layouts.append(heads_major)
-    return call(q, k, v, bias, mask, q_len, kv_len, None, None, heads_major=heads_major)
+  def kernel(q, k, v, bias, mask, q_len, kv_len, query_groups):
+    layouts.append(query_groups)
+    return call(q, k, v, bias, mask, q_len, kv_len, None, None, query_groups=query_groups)
 
   def split(q, k, v, bias, mask):
     return _split_kv.forward(_split_kv.Plan(groups, splits), kernel, q, k, v, bias, mask, q_len,
                              kv_len)
 
   out, lse = jax.jit(split)(q, k, v, bias, mask)
-  assert layouts == [T == 1]
+  assert layouts == [groups if T == 1 else 1]  # the CPU kernel packs one row in place
   assert out.shape == want_out.shape and lse.shape == want_lse.shape
   np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
   np.testing.assert_allclose(np.where(np.isneginf(want_lse), 0, lse),
@@ -93,24 +93,68 @@ def test_split_and_packed_forward_equals_the_plain_call(groups, splits, lengths,
   np.testing.assert_allclose(out, want_out, rtol=0, atol=2e-6)
 
 
-@pytest.mark.parametrize("window", [None, (40, 0)], ids=["full", "causal-window"])
-def test_heads_major_forward_call_equals_the_plain_call(window):
-  """The forward FFI call with q and the output laid out (batch, N, T, H) gives the plain
-  call's results transposed, for any number of rows: GQA, a window, ragged lengths (an item
-  without queries, one without keys)."""
-  B, T, S, N, K, H = 3, 37, 130, 6, 2, 16
-  q, k, v = _inputs(B, T, S, N, K, H, jnp.float32, seed=1)
-  q_len = jnp.asarray([T, 0, 20], jnp.int32)
+def _packed_call(call, q, k, v, q_len, kv_len, G, **kwargs):
+  """`call` of the query heads of each group transposed into rows t*G + g of N / G heads (q_len
+  counts those rows), its results laid out as the call's again."""
+  B, T, N, H = q.shape
+  rows = jnp.swapaxes(q.reshape(B, T, N // G, G, H), 2, 3).reshape(B, T * G, N // G, H)
+  out, lse = call(rows, k, v, None, None, q_len, kv_len, None, None, **kwargs)
+  out = jnp.swapaxes(out.reshape(B, T, G, N // G, H), 2, 3).reshape(B, T, N, H)
+  lse = jnp.swapaxes(lse.reshape(B, N // G, T, G), 2, 3).reshape(B, N, T)
+  return out, lse
+
+
+#: (T, N, K, G, H): one row (the CPU kernel packs it too), and several rows in groups of 2, 4,
+#: 8 and 16 heads: one tile of rows or several, a head dim below its tile's.
+QUERY_GROUPS = [(1, 12, 3, 4, 16), (3, 8, 2, 4, 64), (16, 32, 8, 4, 128), (5, 16, 2, 8, 72),
+                (4, 16, 1, 16, 256), (40, 4, 2, 2, 128)]
+
+
+def _check_query_groups(window, shape, dtype):
+  """The forward FFI call with query_groups reads q (B, T, N, H) as the rows t*G + g of N / G
+  heads in place and writes the call's layouts: the results of the call on the transposed
+  query, bit for bit (the same kernel and tile see the same rows), with a window over the
+  packed rows and ragged lengths (an item without queries, one without keys)."""
+  T, N, K, G, H = shape
+  B, S = 3, 300
+  q, k, v = _inputs(B, T, S, N, K, H, dtype, seed=1)
+  q_len = jnp.asarray([T, 0, max(T - 1, 1)], jnp.int32) * G  # in packed rows, as _split_kv's
   kv_len = jnp.asarray([S, 77, 0], jnp.int32)
   config = PLAIN if window is None else AttentionConfig(scale=0.25, window_left=window[0],
                                                         window_right=window[1])
   call = functools.partial(_primitive._forward_call, config)
-  want_out, want_lse = jax.jit(call)(q, k, v, None, None, q_len, kv_len, None, None)
-  out, lse = jax.jit(functools.partial(call, heads_major=True))(
-      jnp.swapaxes(q, 1, 2), k, v, None, None, q_len, kv_len, None, None)
-  assert out.shape == (B, N, T, H) and lse.shape == want_lse.shape
-  np.testing.assert_array_equal(np.asarray(jnp.swapaxes(out, 1, 2)), np.asarray(want_out))
+  want_out, want_lse = jax.jit(functools.partial(_packed_call, call, G=G))(
+      q, k, v, q_len, kv_len)
+  out, lse = jax.jit(functools.partial(call, query_groups=G))(
+      q, k, v, None, None, q_len, kv_len, None, None)
+  assert out.shape == q.shape and lse.shape == (B, N, T)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
   np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+
+
+WINDOWS = pytest.mark.parametrize("window", [None, (40, 0)], ids=["full", "causal-window"])
+
+
+@WINDOWS
+def test_query_groups_forward_call_equals_the_packed_call(window):
+  """_check_query_groups on the CPU kernel, which packs a single query row."""
+  _check_query_groups(window, QUERY_GROUPS[0], jnp.float32)
+
+
+@pytest.mark.gpu
+@WINDOWS
+@pytest.mark.parametrize("shape", QUERY_GROUPS, ids=lambda s: "T%d-N%d-K%d-G%d-H%d" % s)
+def test_gpu_query_groups_forward_call_equals_the_packed_call(platform, window, shape):
+  """_check_query_groups on the Hopper kernels: several query rows through their
+  five-dimensional TMA boxes."""
+  _check_query_groups(window, shape, jnp.bfloat16)
+
+
+def test_cpu_forward_refuses_query_groups_of_several_rows():
+  q, k, v = _inputs(1, 3, 64, 8, 2, 16, jnp.float32)
+  call = functools.partial(_primitive._forward_call, PLAIN, query_groups=4)
+  with pytest.raises(Exception, match="single query row only"):
+    jax.block_until_ready(jax.jit(call)(q, k, v, None, None, None, None, None, None))
 
 
 def test_plan_splits_until_the_gpu_is_full():
@@ -163,6 +207,10 @@ DECODE_CASES = [
     Case(T=1, S=8192, B=2, N=8, K=2, H=128, bias="1N1S"),
     Case(T=3, S=4096, B=2, N=8, K=2, H=64, bias="B1TS", mask="B11S"),
     Case(T=1, S=4096, B=2, N=16, K=4, H=128, mask="B11S", softcap=30.0),
+    # Query heads read in place as rows in groups of 16; groups of 3, which divide no query
+    # block, transposed.
+    Case(T=4, S=8192, B=2, N=16, K=1, H=128, kv_lens=(8192, 5000)),
+    Case(T=5, S=4096, B=2, N=12, K=4, H=128, mask="B11S"),
 ]
 
 

@@ -150,6 +150,13 @@ struct ForwardParams {
   Operand q_segment_ids, kv_segment_ids, kv_span, q_span;
   Operand out;
   Operand lse;  //!< float32 (float64 for float64 problems); -inf where a row sees no key
+  //! Packed query heads of several query rows (a decoding step, jax_flash/_split_kv.py): 1, or
+  //! G when q and out are the call's (batch..., T, K*G, H) and lse its (batch..., K*G, T) but
+  //! shape is the kernel's view, K heads of T*G rows, row t*G + g of head k being query row t
+  //! of head k*G + g. Rows then step by two strides: q.stride[0] (out's alike) between the G
+  //! heads of a query row, num_heads * q.stride[1] between query rows; lse is laid out (K, G,
+  //! T). (A single query row packs with the one stride, as plain rows: this stays 1.)
+  int64_t query_groups = 1;
 };
 
 struct BackwardParams {

@@ -139,19 +139,22 @@ Status CheckDtype(const char* name, const Operand& operand, ElementType expected
     if (!_status.ok()) return _status;      \
   } while (0)
 
-//! Describes a query-rows operand (q, out) as (T, N, H): laid out so, or with `heads_major`
-//! laid out (N, T, H), its strides then swapped into the (T, N, H) roles.
+//! Describes a query-rows operand (q, out), the call's (T, N, H), in the kernel's view of `s`:
+//! with query_groups G > 1, rows t*G + g of N / G heads (AttentionAttrs). Row t*G + g of head
+//! k is the call's (t, k*G + g): rows step by a call head's stride within a query row (and by
+//! a whole query row between rows t, ForwardParams::query_groups), heads by G of those.
 Status DescribeQueryRows(const char* name, const BufferView& view, const BatchShape& batch,
-                         const AttentionShape& s, bool heads_major, BatchCheck batch_check,
+                         const AttentionShape& s, int64_t query_groups, BatchCheck batch_check,
                          Operand* operand) {
-  if (!heads_major) {
-    return Describe(name, view, batch, {s.seqlen_q, s.num_heads, s.head_dim},
-                    InnerCheck::kExact, batch_check, operand);
-  }
-  JF_RETURN_IF_ERROR(Describe(name, view, batch, {s.num_heads, s.seqlen_q, s.head_dim},
+  JF_RETURN_IF_ERROR(Describe(name, view, batch,
+                              {s.seqlen_q / query_groups, s.num_heads * query_groups, s.head_dim},
                               InnerCheck::kExact, batch_check, operand));
-  std::swap(operand->stride[0], operand->stride[1]);
-  std::swap(operand->extent[0], operand->extent[1]);
+  if (query_groups > 1) {
+    operand->stride[0] = operand->stride[1];
+    operand->stride[1] *= query_groups;
+    operand->extent[0] = s.seqlen_q;
+    operand->extent[1] = s.num_heads;
+  }
   return Status::Ok();
 }
 
@@ -181,8 +184,14 @@ Status DescribeInputs(const AttentionAttrs& attrs, const BatchShape& batch,
   AttentionShape& s = p->shape;
   s.batch = batch;
   const int r = batch.rank;
-  s.seqlen_q = out_dims[attrs.heads_major ? r + 1 : r];
-  s.num_heads = out_dims[attrs.heads_major ? r : r + 1];
+  const int64_t groups = attrs.query_groups;
+  if (groups < 1 || out_dims[r + 1] % groups != 0) {
+    return Status::InvalidArgument("jax_flash: query_groups (" + std::to_string(groups) +
+                                   ") must be positive and divide the query heads (" +
+                                   std::to_string(out_dims[r + 1]) + ")");
+  }
+  s.seqlen_q = out_dims[r] * groups;
+  s.num_heads = out_dims[r + 1] / groups;
   s.head_dim = out_dims[r + 2];
   const auto k_dims = k.dimensions();
   if (static_cast<int>(k_dims.size()) != r + 3) {
@@ -199,7 +208,7 @@ Status DescribeInputs(const AttentionAttrs& attrs, const BatchShape& batch,
                                    ") must be a multiple of key/value heads (" +
                                    std::to_string(s.num_kv_heads) + ")");
   }
-  JF_RETURN_IF_ERROR(DescribeQueryRows("query", ViewOf(q), batch, s, attrs.heads_major,
+  JF_RETURN_IF_ERROR(DescribeQueryRows("query", ViewOf(q), batch, s, groups,
                                        BatchCheck::kFullOrOne, &p->q));
   JF_RETURN_IF_ERROR(Describe("key", ViewOf(k), batch, {s.seqlen_k, s.num_kv_heads, s.head_dim},
                               InnerCheck::kExact, BatchCheck::kFullOrOne, &p->k));
@@ -356,12 +365,23 @@ Status MakeForwardParams(const AttentionAttrs& attrs, ffi::AnyBuffer q, ffi::Any
   JF_RETURN_IF_ERROR(
       DescribeInputs(attrs, batch, out->dimensions(), q, k, v, optional_args, p));
   const AttentionShape& s = p->shape;
-  JF_RETURN_IF_ERROR(DescribeQueryRows("output", ViewOf(*out), batch, s, attrs.heads_major,
+  const int64_t groups = attrs.query_groups;
+  JF_RETURN_IF_ERROR(DescribeQueryRows("output", ViewOf(*out), batch, s, groups,
                                        BatchCheck::kFull, &p->out));
   JF_RETURN_IF_ERROR(CheckDtype("output", p->out, s.dtype));
-  JF_RETURN_IF_ERROR(Describe("lse", ViewOf(*lse), batch, {s.num_heads, s.seqlen_q},
+  const int64_t query_rows = s.seqlen_q / groups;
+  JF_RETURN_IF_ERROR(Describe("lse", ViewOf(*lse), batch, {s.num_heads * groups, query_rows},
                               InnerCheck::kExact, BatchCheck::kFull, &p->lse));
   JF_RETURN_IF_ERROR(CheckDtype("lse", p->lse, LseType(s.dtype)));
+  if (groups > 1) {
+    // The kernel's (K, T*G) view: exact for one query row; several are laid out (K, G, T),
+    // which query_groups tells the kernels.
+    p->lse.extent[0] = s.num_heads;
+    p->lse.extent[1] = s.seqlen_q;
+    p->lse.stride[0] = s.seqlen_q;
+    p->lse.stride[1] = 1;
+    if (query_rows > 1) p->query_groups = groups;
+  }
   return Status::Ok();
 }
 
@@ -373,9 +393,9 @@ Status MakeBackwardParams(const AttentionAttrs& attrs, ffi::AnyBuffer q, ffi::An
                           const ffi::RemainingRets& optional_rets, size_t platform_rets,
                           BackwardParams* p) {
   *p = BackwardParams{};
-  if (attrs.heads_major) {
-    return Status::InvalidArgument("jax_flash: the backward takes q, out, dout and dq laid out "
-                                   "(batch..., T, N, H) only (heads_major must be false)");
+  if (attrs.query_groups != 1) {
+    return Status::InvalidArgument("jax_flash: the backward takes the call's query heads "
+                                   "unpacked (query_groups must be 1)");
   }
   p->deterministic = attrs.deterministic;
   ForwardParams& f = p->fwd;

@@ -44,10 +44,11 @@ struct AttentionAttrs {
   bool has_segment_ids;  //!< the four segment operands (see above)
   bool deterministic;  //!< backward: bit-identical gradients across runs (forward: unused)
   bool has_dbias;  //!< backward: the bias gradient is returned (needs has_bias; forward: unused)
-  //! forward: q and out are laid out (batch..., N, T, H) instead of (batch..., T, N, H), so that
-  //! a decoding step's query heads of a key/value group are rows of one head without a copy
-  //! (jax_flash/_split_kv.py); backward: must be false.
-  bool heads_major;
+  //! forward: G >= 1; with G > 1 the kernels attend the call's q (batch..., T, N, H) as N / G
+  //! heads of T*G rows, row t*G + g of head k being query row t of head k*G + g (out and lse
+  //! keep the call's layouts), so that a decoding step's query heads of a key/value group are
+  //! rows of one head without a copy (jax_flash/_split_kv.py); backward: must be 1.
+  int64_t query_groups;
 };
 
 //! Appends the shared forward signature to a binding that already holds the platform context.
@@ -148,4 +149,4 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_flash::AttentionAttrs,
                                       ::xla::ffi::StructMember<bool>("has_segment_ids"),
                                       ::xla::ffi::StructMember<bool>("deterministic"),
                                       ::xla::ffi::StructMember<bool>("has_dbias"),
-                                      ::xla::ffi::StructMember<bool>("heads_major"));
+                                      ::xla::ffi::StructMember<int64_t>("query_groups"));

@@ -187,6 +187,11 @@ Status RunForwardTyped(const ForwardParams& params, TaskRunner& runner) {
 }  // namespace
 
 Status RunForward(const ForwardParams& params, TaskRunner& runner) {
+  if (params.query_groups > 1) {
+    return Status::InvalidArgument("jax_flash: the CPU forward packs the query heads of a single "
+                                   "query row only (query_groups > 1 with several rows is the "
+                                   "Hopper kernels')");
+  }
   try {
     const ElementType expected_lse = params.shape.dtype == ElementType::kFloat64
                                          ? ElementType::kFloat64

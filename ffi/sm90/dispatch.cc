@@ -115,11 +115,12 @@ Status RunForwardForDtype(const ForwardParams& p, const LaunchContext& context) 
              : RunForwardTile<ElementType::kFloat16, kTileHeadDim, kTileBlockM>(p, context);
 }
 
-//! Whether a forward tile's preferences (kernel_configs.json) name the problem `p`. A tile with
-//! none is its head dim's default, which runs every problem with a mask or bias array.
+//! Whether a forward tile's preferences (kernel_configs.json) name the problem `p`; for a problem
+//! with a mask or bias array, only a tile that lists `arrays` (the default, a tile with none,
+//! runs every other such problem).
 bool ForwardTilePrefers(const ForwardParams& p, int64_t causal_up_to, bool segment_ids,
-                        int64_t rows_up_to) {
-  if (p.mask_bits.present() || p.bias.present()) return false;
+                        int64_t rows_up_to, bool arrays) {
+  if ((p.mask_bits.present() || p.bias.present()) && !arrays) return false;
   const bool causal = p.options.window_right == 0;
   return (causal_up_to > 0 && causal && p.shape.seqlen_q <= causal_up_to) ||
          (segment_ids && p.q_segment_ids.present()) ||
@@ -169,18 +170,18 @@ Status RunForward(const ForwardParams& params, const LaunchContext& context) {
   // Tiles are listed by ascending head dim: the first head dim that covers the problem's runs
   // it, on the first of its tiles whose preference the problem meets, else on its default.
   int64_t tile_head_dim = 0;
-#define JAX_FLASH_FIND_HEAD_DIM(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO) \
+#define JAX_FLASH_FIND_HEAD_DIM(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO, ARRAYS) \
   if (tile_head_dim == 0 && params.shape.head_dim <= HEAD_DIM) tile_head_dim = HEAD_DIM;
   JAX_FLASH_SM90_FORWARD_TILES(JAX_FLASH_FIND_HEAD_DIM)
 #undef JAX_FLASH_FIND_HEAD_DIM
-#define JAX_FLASH_TRY_PREFERRED(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO) \
-  if (tile_head_dim == HEAD_DIM &&                                                        \
-      ForwardTilePrefers(params, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO))                  \
+#define JAX_FLASH_TRY_PREFERRED(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO, ARRAYS) \
+  if (tile_head_dim == HEAD_DIM &&                                                                \
+      ForwardTilePrefers(params, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO, ARRAYS))                  \
     return RunForwardForDtype<HEAD_DIM, BLOCK_M>(params, context);
   JAX_FLASH_SM90_FORWARD_TILES(JAX_FLASH_TRY_PREFERRED)
 #undef JAX_FLASH_TRY_PREFERRED
-#define JAX_FLASH_TRY_DEFAULT(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO) \
-  if (tile_head_dim == HEAD_DIM && is_default_forward_tile(HEAD_DIM, BLOCK_M))            \
+#define JAX_FLASH_TRY_DEFAULT(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO, ARRAYS) \
+  if (tile_head_dim == HEAD_DIM && is_default_forward_tile(HEAD_DIM, BLOCK_M))                  \
     return RunForwardForDtype<HEAD_DIM, BLOCK_M>(params, context);
   JAX_FLASH_SM90_FORWARD_TILES(JAX_FLASH_TRY_DEFAULT)
 #undef JAX_FLASH_TRY_DEFAULT

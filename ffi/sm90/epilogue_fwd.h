@@ -31,6 +31,14 @@ struct ForwardEpilogue {
     float* lse;                        //!< (batch, heads, seqlen_q)
   };
 
+  //! Packed query heads of several query rows (AttentionProblem::query_group_shift): out
+  //! stored through a descriptor of its own (make_query_groups_tma, boxes of an output tile's
+  //! 64 rows) in place of tma_store_o's tiles, lse in the call's layout. Not part of Params:
+  //! ForwardKernel::Params holds it last (see there).
+  struct QueryGroups {
+    cute::TmaDescriptor o;
+  };
+
   using SmemLayoutO = typename Traits::SmemLayoutO;
 
   struct Params {
@@ -73,8 +81,8 @@ struct ForwardEpilogue {
   //! warp-uniform as the mainloop's.
   template <class TensorO>
   CUTE_DEVICE static void store(Params const& params, AttentionProblem const& problem,
-                                Element* smem_o, TileInfo const& info, int warp_group,
-                                int thread_idx, TensorO& tOrO,
+                                QueryGroups const& groups, Element* smem_o, TileInfo const& info,
+                                int warp_group, int thread_idx, TensorO& tOrO,
                                 typename Traits::Softmax& softmax) {
     typename Traits::TiledMmaPV mma_pv;
     auto thr_pv = mma_pv.get_thread_slice(thread_idx);
@@ -94,10 +102,14 @@ struct ForwardEpilogue {
     if (thread_idx % 4 == 0) {
       float* lse_rows = params.lse + (info.coord.batch * problem.num_heads + info.coord.head) *
                                          int64_t(problem.seqlen_q);
+      // Packed query heads keep the call's lse layout: row t*G + g of head k at (k, g, t).
+      const int shift = problem.query_group_shift, query_rows = problem.seqlen_q >> shift;
       CUTE_UNROLL
       for (int r = 0; r < 2; ++r) {
         const int row = info.m_start() + get<0>(rows(r, 0));
-        if (row < problem.seqlen_q) lse_rows[row] = lse[r];
+        if (row < problem.seqlen_q) {
+          lse_rows[(row & ((1 << shift) - 1)) * query_rows + (row >> shift)] = lse[r];
+        }
       }
     }
 
@@ -125,18 +137,41 @@ struct ForwardEpilogue {
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(kThreadsPerWarpGroup, group_barrier);
     if (group_thread == 0) {
-      Tensor mO = params.tma_store_o.get_tma_tensor(params.shape_o);
-      Tensor gO = local_tile(mO(_, _, info.coord.head, info.coord.batch),
-                             typename Traits::OutputTileShape{},
-                             make_coord(info.coord.block * Traits::kNumConsumerWarpGroups + warp_group,
-                                        _0{}));
-      auto tma_o = params.tma_store_o.get_slice(_0{});
-      copy(params.tma_store_o, tma_o.partition_S(sO), tma_o.partition_D(gO));
+      const int output_tile = info.coord.block * Traits::kNumConsumerWarpGroups + warp_group;
+      if (problem.query_group_shift > 0) {
+        store_query_groups(groups, problem.query_group_shift, smem_o, output_tile,
+                           info.coord.head, info.coord.batch);
+      } else {
+        Tensor mO = params.tma_store_o.get_tma_tensor(params.shape_o);
+        Tensor gO = local_tile(mO(_, _, info.coord.head, info.coord.batch),
+                               typename Traits::OutputTileShape{}, make_coord(output_tile, _0{}));
+        auto tma_o = params.tma_store_o.get_slice(_0{});
+        copy(params.tma_store_o, tma_o.partition_S(sO), tma_o.partition_D(gO));
+      }
       tma_store_arrive();
       if constexpr (!Traits::kOwnOutputTiles) tma_store_wait<0>();
     }
     if constexpr (!Traits::kOwnOutputTiles) {
       cutlass::arch::NamedBarrier::sync(kThreadsPerWarpGroup, group_barrier);
+    }
+  }
+
+  //! The output tile `output_tile` (of 64 rows) of packed query heads (QueryGroups),
+  //! each 64-column block of its shared layout by one five-dimensional TMA box: 64 / G query
+  //! rows of all G heads, rows t*G + g in order, clipped past the call's rows and head dim.
+  CUTE_DEVICE static void store_query_groups(QueryGroups const& groups, int shift,
+                                             Element const* smem_o, int output_tile, int head,
+                                             int item) {
+    constexpr int kRows = size<0>(typename Traits::OutputTileShape{}), kColumns = 64;
+    static_assert(Traits::kHeadDim % kColumns == 0 && SmemLayoutO{}(1, 0) == kColumns &&
+                      (Traits::kHeadDim == kColumns ||
+                       SmemLayoutO{}(0, kColumns) == kRows * kColumns),
+                  "O's shared layout: rows of 64 columns, one column block after another");
+    const int first_query_row = (output_tile * kRows) >> shift;
+    CUTE_UNROLL
+    for (int c = 0; c < Traits::kHeadDim / kColumns; ++c) {
+      SM90_TMA_STORE_5D::copy(&groups.o, smem_o + c * kRows * kColumns, c * kColumns,
+                              0, first_query_row, head, item);
     }
   }
 

@@ -32,6 +32,10 @@ struct ForwardKernel {
     typename Epilogue::Params epilogue;
     AttentionProblem problem;
     TileSchedulerParams scheduler;
+    //! Last, read only where query heads are packed as rows of several query rows: ahead of
+    //! the rest they would move the parameters every tile reads.
+    typename Mainloop::QueryGroups mainloop_groups;
+    typename Epilogue::QueryGroups epilogue_groups;
   };
 
   using Element = typename Traits::Element;
@@ -145,6 +149,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     }
     if (threadIdx.x >= (kWarpBuildsTileInfo ? 32 : 1)) return;
     const bool loader = threadIdx.x == 0;
+    if (loader && params.problem.query_group_shift > 0) {
+      cute::prefetch_tma_descriptor(&params.mainloop_groups.q);
+      cute::prefetch_tma_descriptor(&params.epilogue_groups.o);
+    }
     PipelineState write_state = cutlass::make_producer_start_state<PipelineKV>();
     uint32_t q_empty_phase = 1;  // the first wait on a fresh barrier passes
     for (; scheduler.valid(); scheduler.advance()) {
@@ -152,8 +160,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       if (loader) {
         mainloop_storage.q_empty.wait(q_empty_phase);
         if (!info.empty()) {
-          Mainloop::load(params.mainloop, params.problem, mainloop_storage, pipeline_k,
-                         pipeline_v, write_state, info);
+          Mainloop::load(params.mainloop, params.problem, params.mainloop_groups,
+                         mainloop_storage, pipeline_k, pipeline_v, write_state, info);
         } else {
           // Nothing to load, but the Q handshake still takes its turn: consumers that freed Q
           // for several empty tiles in a row would otherwise complete q_empty phases the
@@ -194,7 +202,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         if constexpr (Traits::kOwnOutputTiles) release_q();
       }
       q_full_phase ^= 1;
-      Epilogue::store(params.epilogue, params.problem,
+      Epilogue::store(params.epilogue, params.problem, params.epilogue_groups,
                       storage.output_tile(consumer_warp_group, info.empty(), last_stage), info,
                       consumer_warp_group, thread_idx, tOrO, softmax);
       if constexpr (!Traits::kOwnOutputTiles) {

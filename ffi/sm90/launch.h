@@ -73,18 +73,30 @@ inline bool bias_gradient_accumulates(const AttentionShape& s, int64_t dbias_ele
 //! Whether the compiled forward tile (head_dim, block_m) states no preference: its head dim's
 //! default (kernel_configs.json).
 constexpr bool is_default_forward_tile(int head_dim, int block_m) {
-#define JAX_FLASH_IS_DEFAULT(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO) \
-  if (HEAD_DIM == head_dim && BLOCK_M == block_m)                                      \
+#define JAX_FLASH_IS_DEFAULT(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO, ARRAYS) \
+  if (HEAD_DIM == head_dim && BLOCK_M == block_m)                                              \
     return CAUSAL_UP_TO == 0 && !SEGMENT_IDS && ROWS_UP_TO == 0;
   JAX_FLASH_SM90_FORWARD_TILES(JAX_FLASH_IS_DEFAULT)
 #undef JAX_FLASH_IS_DEFAULT
   return false;
 }
 
+//! Whether the compiled forward tile (head_dim, block_m) takes mask and bias arrays: its head
+//! dim's default, and a tile that lists "arrays" (kernel_configs.json).
+constexpr bool forward_tile_takes_arrays(int head_dim, int block_m) {
+#define JAX_FLASH_TAKES_ARRAYS(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO, ARRAYS) \
+  if (HEAD_DIM == head_dim && BLOCK_M == block_m)                                                \
+    return ARRAYS || (CAUSAL_UP_TO == 0 && !SEGMENT_IDS && ROWS_UP_TO == 0);
+  JAX_FLASH_SM90_FORWARD_TILES(JAX_FLASH_TAKES_ARRAYS)
+#undef JAX_FLASH_TAKES_ARRAYS
+  return false;
+}
+
 //! Whether a compiled forward tile of `head_dim` prefers problems with segment ids: its head
 //! dim's default then runs segment ids only beside a mask or bias array.
 constexpr bool forward_tile_prefers_segment_ids(int head_dim) {
-#define JAX_FLASH_PREFERS_SEGMENT_IDS(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO) \
+#define JAX_FLASH_PREFERS_SEGMENT_IDS(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO, \
+                                      ARRAYS)                                                  \
   if (HEAD_DIM == head_dim && SEGMENT_IDS) return true;
   JAX_FLASH_SM90_FORWARD_TILES(JAX_FLASH_PREFERS_SEGMENT_IDS)
 #undef JAX_FLASH_PREFERS_SEGMENT_IDS
@@ -93,9 +105,10 @@ constexpr bool forward_tile_prefers_segment_ids(int head_dim) {
 
 //! Runs the forward on a compiled tile of the smallest head dim that covers the problem's: the
 //! first of that head dim whose preference the problem meets, else its default (see
-//! kernel_configs.json); problems with a mask or bias array always on the default, the tile
-//! a mask's block classes are computed for. Validates what the kernels require (dtype, head
-//! dim, alignment) and reports CUDA errors.
+//! kernel_configs.json); problems with a mask or bias array only on tiles that take them (the
+//! default, and those listing "arrays"), the tile their block classes are computed for
+//! (jax_flash/_config.py, Kernel.tile_for, follows the same rule). Validates what the kernels
+//! require (dtype, head dim, alignment) and reports CUDA errors.
 Status RunForward(const ForwardParams& params, const LaunchContext& context);
 
 //! The workspace layout of the backward of `params` (zero bytes where it has nothing to do),

@@ -209,7 +209,7 @@ inline Status check_bias_operands(const ForwardParams& p, int block_m, int block
 }
 
 //! Global tensor (sequence, head dim, heads, batch items) of a (T, N, H) operand read in place
-//! with its own strides (a heads-major q or out among them); its batch items are those the
+//! with its own strides (a query row's packed heads among them); its batch items are those the
 //! operand holds (broadcast axes excluded).
 template <class Element>
 auto sequence_tensor(const Operand& op, int64_t seqlen, int64_t heads, int64_t head_dim,
@@ -224,6 +224,46 @@ auto sequence_tensor(const Operand& op, int64_t seqlen, int64_t heads, int64_t h
   };
   auto stride = typename Seq::Stride(axis_stride(0), _1{}, axis_stride(1), op.batch_stride);
   return make_tensor(make_gmem_ptr(static_cast<Element const*>(op.data)), shape, stride);
+}
+
+//! A TMA descriptor of q or out under packed query heads of several query rows
+//! (ForwardParams::query_groups = G): the call's (T, K*G, H) as (H, G, T, K, own items), boxes
+//! of 64 columns (the 128-byte swizzle's width, a column block of the tiles' shared layouts) by
+//! `box_rows` kernel rows, box_rows / G query rows of all G heads: rows t*G + g in order. The
+//! rows past T read as zeros and are not stored.
+template <class Element>
+Status make_query_groups_tma(const Operand& op, const AttentionShape& s, int64_t groups,
+                             int64_t box_rows, cute::TmaDescriptor* desc) {
+  static_assert(sizeof(Element) == 2, "16-bit elements: a 64-column box is 128 bytes");
+  if (groups < 2 || box_rows % groups != 0 || box_rows / groups > 256) {
+    return Status::InvalidArgument("jax_flash: packed query heads need query_groups (" +
+                                   std::to_string(groups) + ") to divide the tile's rows (" +
+                                   std::to_string(box_rows) + ")");
+  }
+  constexpr int64_t kBytes = sizeof(Element);
+  const int64_t head_stride = op.stride[1];             // G of the call's heads; G > 1: nonzero
+  const int64_t row_stride = s.num_heads * head_stride;  // one query row of all heads
+  const int64_t query_rows = s.seqlen_q / groups;
+  const int64_t items = own_batch_items(s.batch, op.batch);
+  const int64_t item_stride = op.batch_stride != 0 ? op.batch_stride : query_rows * row_stride;
+  cuuint64_t dims[5] = {cuuint64_t(s.head_dim), cuuint64_t(groups), cuuint64_t(query_rows),
+                        cuuint64_t(s.num_heads), cuuint64_t(items)};
+  cuuint64_t strides[4] = {cuuint64_t(op.stride[0] * kBytes), cuuint64_t(row_stride * kBytes),
+                           cuuint64_t(head_stride * kBytes), cuuint64_t(item_stride * kBytes)};
+  cuuint32_t box[5] = {64, cuuint32_t(groups), cuuint32_t(box_rows / groups), 1, 1};
+  cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
+  const CUtensorMapDataType type = std::is_same_v<Element, cutlass::bfloat16_t>
+                                       ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUresult result = cutlass::call_cuTensorMapEncodeTiled(
+      desc, type, 5, op.data, dims, strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (result != CUDA_SUCCESS) {
+    return Status::Internal("jax_flash: cuTensorMapEncodeTiled failed (" +
+                            std::to_string(int(result)) + ") for packed query heads");
+  }
+  return Status::Ok();
 }
 
 //! Whether TMA can move a logit array (a bias, its gradient) in (keys, queries) tiles: it

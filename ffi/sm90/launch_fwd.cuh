@@ -53,11 +53,28 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   mainloop.bias_units = bias_units<Traits>(p);
   mainloop.bias_in_tiles = Traits::kBiasInTiles && moves_in_tiles<Element>(p.bias);
   if (mainloop.bias_in_tiles) mainloop.bias = logit_tensor<Element>(p.bias, s.batch);
-  kp.mainloop = Kernel::Mainloop::to_params(mainloop);
-
   typename Kernel::Epilogue::Arguments epilogue;
   epilogue.o = sequence_tensor<Element>(p.out, s.seqlen_q, s.num_heads, s.head_dim, s.batch);
   epilogue.lse = static_cast<float*>(p.lse.data);
+  if (p.query_groups > 1) {
+    // Rows t*G + g have two strides: q and out move through descriptors of their own.
+    const int64_t groups = p.query_groups;
+    if ((groups & (groups - 1)) != 0) {
+      return Status::InvalidArgument("jax_flash: packed query heads of several query rows need "
+                                     "a power of two of heads per group, got " +
+                                     std::to_string(groups));
+    }
+    int32_t& shift = kp.problem.query_group_shift;
+    while ((int64_t(1) << shift) < groups) ++shift;
+    status = make_query_groups_tma<Element>(p.q, s, groups, Traits::kBlockM,
+                                            &kp.mainloop_groups.q);
+    if (status.ok()) {
+      status = make_query_groups_tma<Element>(
+          p.out, s, groups, size<0>(typename Traits::OutputTileShape{}), &kp.epilogue_groups.o);
+    }
+    if (!status.ok()) return status;
+  }
+  kp.mainloop = Kernel::Mainloop::to_params(mainloop);
   kp.epilogue = Kernel::Epilogue::to_params(epilogue);
 
   // A window (causal) makes later query blocks see more keys: schedule them first, over
@@ -92,13 +109,16 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
 }
 
 //! The feature sets a forward tile is instantiated for: the routing of RunForward (dispatch.cc)
-//! reaches no others. Mask and bias arrays run on each head dim's default tile, for which Python
-//! classifies the arrays' blocks (one instantiation each instead of one per tile); segment ids
-//! without them, on a tile that prefers them where there is one.
+//! reaches no others. Mask and bias arrays run on each head dim's default tile and on the tiles
+//! that list them, for which Python classifies the arrays' blocks (instantiations for the
+//! tiles that gain most, not for every one); segment ids without them, on a tile that prefers
+//! them where there is one.
 template <int kTileHeadDim, int kTileBlockM>
 inline constexpr KernelFeatures kForwardTileFeatures =
     !is_default_forward_tile(kTileHeadDim, kTileBlockM)
-        ? kForwardFeatures.without_arrays()
+        ? (forward_tile_takes_arrays(kTileHeadDim, kTileBlockM)
+               ? kForwardFeatures
+               : kForwardFeatures.without_arrays())
     : forward_tile_prefers_segment_ids(kTileHeadDim)
         ? kForwardFeatures.with_arrays_only(kSegmentIdsBit)
         : kForwardFeatures;

@@ -58,6 +58,13 @@ struct ForwardMainloop {
     typename Traits::GmemTensorBias bias;
   };
 
+  //! Packed query heads of several query rows (AttentionProblem::query_group_shift): q read
+  //! through a descriptor of its own (make_query_groups_tma, boxes of kBlockM rows) in place of
+  //! tma_load_q's tiles. Not part of Params: ForwardKernel::Params holds it last (see there).
+  struct QueryGroups {
+    cute::TmaDescriptor q;
+  };
+
   struct Params {
     typename Traits::TmaLoadQ tma_load_q;
     typename Traits::TmaLoadKV tma_load_k;
@@ -225,11 +232,33 @@ struct ForwardMainloop {
     }
   }
 
+  //! Q of a tile of packed query heads (QueryGroups): each 64-column block of the tile's
+  //! shared layout (the 128-byte swizzle's width) by one five-dimensional TMA box of its
+  //! kBlockM rows, kBlockM / G query rows of all G heads, rows t*G + g in order.
+  CUTE_DEVICE static void load_query_groups(QueryGroups const& groups, int shift,
+                                            SharedStorage& storage, int block, int head,
+                                            int item) {
+    constexpr int kColumns = 64;
+    using SmemLayoutQ = typename Traits::SmemLayoutQ;
+    static_assert(Traits::kHeadDim % kColumns == 0 && SmemLayoutQ{}(1, 0) == kColumns &&
+                      (Traits::kHeadDim == kColumns ||
+                       SmemLayoutQ{}(0, kColumns) == Traits::kBlockM * kColumns),
+                  "Q's shared layout: rows of 64 columns, one column block after another");
+    const int first_query_row = (block * Traits::kBlockM) >> shift;
+    CUTE_UNROLL
+    for (int c = 0; c < Traits::kHeadDim / kColumns; ++c) {
+      SM90_TMA_LOAD_5D::copy(&groups.q, reinterpret_cast<uint64_t*>(&storage.q_full),
+                             static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_FIRST),
+                             storage.q.data() + c * Traits::kBlockM * kColumns, c * kColumns, 0,
+                             first_query_row, head, item);
+    }
+  }
+
   //! Producer (one thread): Q of the tile and every visible K/V block, into the pipelines.
   CUTE_DEVICE static void load(Params const& params, AttentionProblem const& problem,
-                               SharedStorage& storage, PipelineKV& pipeline_k,
-                               PipelineKV& pipeline_v, PipelineState& write_state,
-                               TileInfo const& info) {
+                               QueryGroups const& groups, SharedStorage& storage,
+                               PipelineKV& pipeline_k, PipelineKV& pipeline_v,
+                               PipelineState& write_state, TileInfo const& info) {
     Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKV{});
     Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutKV{});
@@ -282,9 +311,14 @@ struct ForwardMainloop {
     storage.q_full.arrive_and_expect_tx(Traits::kQBytes);
     // A Q tile is read by one tile (or, decoding with split keys, by one per key chunk, all
     // at once): it need not stay in L2.
-    copy(params.tma_load_q.with(reinterpret_cast<uint64_t&>(storage.q_full), 0,
-                                TMA::CacheHintSm90::EVICT_FIRST),
-         tQgQ, tQsQ);
+    if (problem.query_group_shift > 0) {
+      load_query_groups(groups, problem.query_group_shift, storage, info.coord.block, head,
+                        params.q_batch(problem.batch, batch));
+    } else {
+      copy(params.tma_load_q.with(reinterpret_cast<uint64_t&>(storage.q_full), 0,
+                                  TMA::CacheHintSm90::EVICT_FIRST),
+           tQgQ, tQsQ);
+    }
     load_v(n_block);
     ++write_state;
     for (--n_block; n_block >= info.keys.begin; --n_block) {

@@ -157,6 +157,11 @@ struct AttentionProblem {
   int32_t group_size = 1;     //!< query heads per key/value head
   int32_t window_left = -1;   //!< -1: unbounded
   int32_t window_right = -1;  //!< -1: unbounded
+  //! Forward: rows t*G + g of G = 2^shift packed query heads of several query rows
+  //! (ForwardParams::query_groups, whose q and out move through descriptors of their own); 0:
+  //! plain rows. Here, beside the sizes every tile reads first, because a kernel parameter
+  //! elsewhere costs a short tile a constant-cache miss of its own (bench/RESULTS.md).
+  int32_t query_group_shift = 0;
   DeviceBatch batch;
   DeviceBatchMap q_seqlens_batch, kv_seqlens_batch;
   const int32_t* q_seqlens = nullptr;
