@@ -193,11 +193,22 @@ def _mask_blocks_from_bits(mask, bits, tile, rows_are_keys):
     return None
   *lead, rows, words = bits.shape
   row_blocks, col_blocks = (SB, MB) if rows_are_keys else (MB, SB)
-  counts = lax.population_count(bits).astype(jnp.int32)
-  counts = jnp.pad(counts, [(0, 0)] * len(lead) + [(0, row_blocks * row_block - rows),
-                                                   (0, col_blocks * col_block // 32 - words)])
-  kept = counts.reshape(*lead, row_blocks, row_block, col_blocks, col_block // 32)
-  kept = kept.sum((-3, -1))
+  block_words = col_block // 32
+  if row_block == 1:
+    # Blocks of one row (a mask of keys alone in the forward: Flax's padding and decoding
+    # masks): the words' counts added as slices, which XLA fuses with the classes'
+    # comparisons into one kernel; as a reduction they took a kernel of their own (0.8-1.5 us
+    # of a decoding step on an H200, bench/RESULTS.md).
+    padded = jnp.pad(bits, [(0, 0)] * (len(lead) + 1) + [(0, col_blocks * block_words - words)])
+    block = padded.reshape(*lead, row_blocks, col_blocks, block_words)
+    kept = lax.population_count(block[..., 0]).astype(jnp.int32)
+    for i in range(1, block_words):
+      kept = kept + lax.population_count(block[..., i]).astype(jnp.int32)
+  else:
+    counts = lax.population_count(bits).astype(jnp.int32)
+    counts = jnp.pad(counts, [(0, 0)] * len(lead) + [(0, row_blocks * row_block - rows),
+                                                     (0, col_blocks * block_words - words)])
+    kept = counts.reshape(*lead, row_blocks, row_block, col_blocks, block_words).sum((-3, -1))
   return _classes(jnp.swapaxes(kept, -1, -2) if rows_are_keys else kept, mask, tile)
 
 
