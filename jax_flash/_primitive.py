@@ -321,20 +321,19 @@ def _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, *, 
   return tuple(_varying.varying_like(results, *operands))
 
 
-def _forward_merge_call(out, lse, query_rows: int, heads_major: bool):
-  """`_split_kv.merge` by the CUDA handler's kernel: the chunks' out (..., P, A, B, H) and lse
-  (..., P, K, T*G), A, B = K, G where heads_major (T = 1) else T*G, K (the call's layout: G =
-  1), -> the call's out (..., T, K*G, H) and lse (..., K*G, T)."""
+def _forward_merge_call(out, lse, query_rows: int):
+  """`_split_kv.merge` by the CUDA handler's kernel: the chunks' out (..., P, T*G, K, H) and lse
+  (..., P, K, T*G), or in the call's layout (G = 1, K = N), -> the call's out (..., T, K*G, H)
+  and lse (..., K*G, T)."""
   _extension.ensure_registered()
-  lead, (P, A, B, H) = out.shape[:-4], out.shape[-4:]
-  T, N = query_rows, A * B // query_rows
+  lead, (P, TG, K, H) = out.shape[:-4], out.shape[-4:]
+  T, N = query_rows, TG * K // query_rows
   items = math.prod(lead)
   call = jax.ffi.ffi_call(_extension.FORWARD_MERGE_TARGET,
                           (jax.ShapeDtypeStruct((items, T, N, H), out.dtype),
                            jax.ShapeDtypeStruct((items, N, T), lse.dtype)))
-  parts = (out.reshape(items, P, A, B, H), lse.reshape((items,) + lse.shape[-3:]))
-  merged, total = _varying.varying_like(
-      call(*parts, parts_heads_major=bool(heads_major)), *parts)
+  parts = (out.reshape(items, P, TG, K, H), lse.reshape((items,) + lse.shape[-3:]))
+  merged, total = _varying.varying_like(call(*parts), *parts)
   return merged.reshape(lead + (T, N, H)), total.reshape(lead + (N, T))
 
 

@@ -90,13 +90,11 @@ def plan(q_shape, k_shape, config, has_segments: bool, sm_count: int | None = No
   return Plan(groups, splits)
 
 
-def _to_call_layout(out, lse, query_rows: int, heads_major: bool):
-  """The forward's results of packed query heads, out (..., K, G, H) and lse (..., K, G) where
-  heads_major (one query row), else out (..., T*G, K, H) and lse (..., K, T*G), as
-  out (..., T, K, G, H) and lse (..., T, K, G)."""
+def _to_call_layout(out, lse, query_rows: int):
+  """The forward's results of packed query heads, out (..., T*G, K, H) and lse (..., K, T*G),
+  as out (..., T, K, G, H) and lse (..., T, K, G). Results in the call's layout, out
+  (..., T, N, H) and lse (..., N, T), are the case G = 1, K = N."""
   T = query_rows
-  if heads_major:
-    return out[..., None, :, :, :], lse[..., None, :, :]
   *lead, TG, K, H = out.shape
   G = TG // T
   out = jnp.swapaxes(out.reshape(tuple(lead) + (T, G, K, H)), -3, -2)
@@ -111,13 +109,12 @@ def _from_call_layout(out, lse):
   return out.reshape(out.shape[:-3] + (K * G, H)), lse.reshape(lse.shape[:-3] + (K * G, T))
 
 
-def merge(out, lse, query_rows: int, heads_major: bool):
+def merge(out, lse, query_rows: int):
   """The exact combination of the chunks' partial results, laid out as the forward kernel gave
-  them: out (..., P, K, G, H) and lse (..., P, K, G) where heads_major (one query row), else out
-  (..., P, T*G, K, H) and lse (..., P, K, T*G) -> the call's out (..., T, K*G, H) and lse
-  (..., K*G, T). (Results already in the call's layout are the latter with G = 1. On the GPU
-  one kernel does the same: jax_flash's forward merge.)"""
-  out, lse = _to_call_layout(out, lse, query_rows, heads_major)
+  them: out (..., P, T*G, K, H) and lse (..., P, K, T*G), or in the call's layout, out (..., P,
+  T, N, H) and lse (..., P, N, T) (the case G = 1) -> the call's out (..., T, K*G, H) and lse
+  (..., K*G, T). (On the GPU one kernel does the same: jax_flash's forward merge.)"""
+  out, lse = _to_call_layout(out, lse, query_rows)
   total = jax.nn.logsumexp(lse, axis=-4)
   live = jnp.isfinite(total)[..., None, :, :, :]
   safe = jnp.where(live, total[..., None, :, :, :], 0)
@@ -126,24 +123,24 @@ def merge(out, lse, query_rows: int, heads_major: bool):
   return _from_call_layout(jnp.sum(out.astype(acc) * weight, axis=-5).astype(out.dtype), total)
 
 
-def _only_chunk(out, lse, query_rows: int, heads_major: bool):
+def _only_chunk(out, lse, query_rows: int):
   """`merge` of a key range left whole (P = 1): the layout change alone."""
-  out, lse = _to_call_layout(out[..., 0, :, :, :], lse[..., 0, :, :], query_rows, heads_major)
+  out, lse = _to_call_layout(out[..., 0, :, :, :], lse[..., 0, :, :], query_rows)
   return _from_call_layout(out, lse)
 
 
-def _packed(x, T: int, K: int, G: int, P: int, heads_major: bool):
+def _packed(x, T: int, K: int, G: int, P: int):
   """A mask or bias (..., N|1, T|1, S|1) as the packed and chunked problem's: (..., P|1, K|1,
-  R|1, C|1), its rows R those of the packed query (g heads-major, else t*G + g) and C = S / P
-  keys of chunk p. Axes it broadcasts stay broadcast where the packing allows (a mask of the
-  keys alone, as Flax's decoding step gives it, is only reshaped)."""
+  R|1, C|1), its rows R those of the packed query (t*G + g) and C = S / P keys of chunk p.
+  Axes it broadcasts stay broadcast where the packing allows (a mask of the keys alone, as
+  Flax's decoding step gives it, is only reshaped)."""
   if x is None:
     return None
   *lead, heads, rows, keys = x.shape
   lead = tuple(lead)
   if heads > 1:
     x = x.reshape(lead + (K, G, rows, keys))
-    if heads_major:  # one query row: rows g
+    if T == 1:  # rows g
       x = x[..., 0, :]
     else:  # rows t*G + g
       x = jnp.broadcast_to(jnp.swapaxes(x, -3, -2), lead + (K, T, G, keys))
@@ -172,8 +169,7 @@ def forward(p: Plan, call, q, k, v, bias, mask, q_len, kv_len, merge_parts=merge
                                *(x.shape for x in (q_len, kv_len) if x is not None))
   # Query heads k*G + g -> rows t*G + g of head k: read in place (G dividing every tile's query
   # block, a multiple of MAX_PACKED_ROWS), else transposed into (..., T*G, K, H).
-  heads_major = T == 1
-  if heads_major or (rows_in_place and MAX_PACKED_ROWS % G == 0):
+  if T == 1 or (rows_in_place and MAX_PACKED_ROWS % G == 0):
     rows, query_groups = q, G
   else:
     rows = q.reshape(q.shape[:-2] + (K, G, H))
@@ -193,12 +189,8 @@ def forward(p: Plan, call, q, k, v, bias, mask, q_len, kv_len, merge_parts=merge
   if kv_len is not None:
     starts = jnp.arange(P, dtype=jnp.int32) * C
     kv_len = _validation.lengths_within(jnp.broadcast_to(kv_len, batch)[..., None], starts, C)
-  bias, mask = (_packed(x, T, K, G, P, heads_major) for x in (bias, mask))
+  bias, mask = (_packed(x, T, K, G, P) for x in (bias, mask))
   out, lse = call(rows, k, v, bias, mask, q_len, kv_len, query_groups)
-  # In place: the call's (batch..., P, T, N, H) and (batch..., P, N, T), which for one row is
-  # the heads-major (..., K, G, H) and (..., K, G); else (..., P, T*G, K, H) and (..., P, K,
-  # T*G).
-  if heads_major:
-    out = out.reshape(out.shape[:-3] + (K, G, H))
-    lse = lse.reshape(lse.shape[:-2] + (K, G))
-  return (merge_parts if P > 1 else _only_chunk)(out, lse, T, heads_major)
+  # In place: the call's (batch..., P, T, N, H) and (batch..., P, N, T); transposed: (..., P,
+  # T*G, K, H) and (..., P, K, T*G).
+  return (merge_parts if P > 1 else _only_chunk)(out, lse, T)

@@ -246,41 +246,41 @@ def platform():
 
 def _parts(items, P, layout, H, dtype, seed=0):
   """Partial outputs and log-sum-exps of P chunks in the forward's layout of packed query heads
-  (`layout`: T, K, G and whether heads-major), some rows dead in some chunks or in all."""
-  T, K, G, heads_major = layout
+  (`layout`: T, K, G; G = 1 is the call's layout), some rows dead in some chunks or in all."""
+  T, K, G = layout
+  N = K * G
   rng = np.random.default_rng(seed)
-  out = rng.standard_normal((items, P, T, K, G, H)).astype(np.float32)
-  lse = (rng.standard_normal((items, P, T, K, G)) * 8).astype(np.float32)
-  lse[:, ::3, 0, 0, 1] = -np.inf  # sees no key in every third chunk: its output there is 0
-  out[:, ::3, 0, 0, 1] = 0
-  lse[:, :, -1, -1, -1] = -np.inf  # sees no key at all
-  out[:, :, -1, -1, -1] = 0
-  if heads_major:  # (items, P, K, G, H), (items, P, K, G)
-    out, lse = out[:, :, 0], lse[:, :, 0]
-  else:  # (items, P, T*G, K, H), (items, P, K, T*G)
-    out = out.transpose(0, 1, 2, 4, 3, 5).reshape(items, P, T * G, K, H)
-    lse = lse.transpose(0, 1, 3, 2, 4).reshape(items, P, K, T * G)
+  out = rng.standard_normal((items, P, T, N, H)).astype(np.float32)
+  lse = (rng.standard_normal((items, P, T, N)) * 8).astype(np.float32)
+  lse[:, ::3, 0, 1] = -np.inf  # sees no key in every third chunk: its output there is 0
+  out[:, ::3, 0, 1] = 0
+  lse[:, :, -1, -1] = -np.inf  # sees no key at all
+  out[:, :, -1, -1] = 0
+  # Head k*G + g of row t -> row t*G + g of head k: (items, P, T*G, K, H), (items, P, K, T*G).
+  out = out.reshape(items, P, T, K, G, H).transpose(0, 1, 2, 4, 3, 5).reshape(
+      items, P, T * G, K, H)
+  lse = lse.reshape(items, P, T, K, G).transpose(0, 1, 3, 2, 4).reshape(items, P, K, T * G)
   return jnp.asarray(out, dtype), jnp.asarray(lse)
 
 
-#: (T, K, G, heads-major): one query row heads-major as the GPU runs it (one head of 37 rows;
-#: heads of 4) or in the rows layout, and several rows (heads packed in groups of 5 and of 4).
-MERGE_LAYOUTS = [(1, 1, 37, True), (1, 3, 4, True), (1, 3, 4, False), (3, 2, 5, False),
-                 (16, 8, 4, False)]
+#: (T, K, G): the call's layout as the GPU's forward leaves it (G = 1: one row of 37 heads or of
+#: 12, several rows of 10 or 32 heads), and query heads packed in rows, transposed (groups of
+#: 4 of one row, of 5 and of 4 of several).
+MERGE_LAYOUTS = [(1, 37, 1), (1, 12, 1), (3, 10, 1), (16, 32, 1), (1, 3, 4), (3, 2, 5),
+                 (16, 8, 4)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("layout", MERGE_LAYOUTS,
-                         ids=lambda l: f"T{l[0]}-K{l[1]}-G{l[2]}-{'heads' if l[3] else 'rows'}")
+@pytest.mark.parametrize("layout", MERGE_LAYOUTS, ids=lambda l: "T{}-K{}-G{}".format(*l))
 @pytest.mark.parametrize("P,H", [(1, 64), (16, 128), (64, 256), (5, 72), (100, 128)])
 def test_gpu_forward_merge_equals_the_definition(platform, P, H, layout, dtype):
   """The CUDA merge kernel against `_split_kv.merge` (float32 weights and sums, both), from
   each layout of the parts into the call's: the log-sum-exp to float32 rounding, the output to
   one rounding of the dtype and the float32 sums' rounding; dead rows exactly 0 and -inf."""
-  T, heads_major = layout[0], layout[3]
+  T = layout[0]
   out, lse = _parts(3, P, layout, H, dtype)
-  merge = lambda f: jax.jit(f, static_argnums=(2, 3))(out, lse, T, heads_major)
+  merge = lambda f: jax.jit(f, static_argnums=2)(out, lse, T)
   got_out, got_lse = (np.asarray(x, np.float32) for x in merge(_primitive._forward_merge_call))
   want_out, want_lse = (np.asarray(x, np.float32) for x in merge(_split_kv.merge))
   N = layout[1] * layout[2]
@@ -295,21 +295,19 @@ def test_gpu_forward_merge_equals_the_definition(platform, P, H, layout, dtype):
   # cancel, more than with the result). Measured below 2^-23 of sum_i w_i |out_i| at 2 to 64
   # parts (bench/RESULTS.md); 2^-18 is 64 float32 ulps of it, room for the longer sums here.
   # sum_i w_i |out_i| is `merge` of |out| in float32.
-  terms = np.asarray(jax.jit(_split_kv.merge, static_argnums=(2, 3))(
-      jnp.abs(out.astype(jnp.float32)), lse, T, heads_major)[0])
+  terms = np.asarray(jax.jit(_split_kv.merge, static_argnums=2)(
+      jnp.abs(out.astype(jnp.float32)), lse, T)[0])
   ulp = (np.abs(want_out) * float(jnp.finfo(dtype).eps) +
          float(jnp.finfo(dtype).smallest_normal) + terms * 2.0**-18)
   assert np.all(np.abs(got_out - want_out) <= ulp), np.abs(got_out - want_out).max()
 
 
 #: Inconsistent buffers of the merge, each against a consistent set: parts of T = 5 rows, K = 3
-#: and G = 2 in the rows layout (or of one row, heads-major), and the message that names it.
+#: and G = 2 in the rows layout (or in the call's layout, G = 1), and the message that names it.
 _MERGE_ROWS = dict(out=((2, 4, 10, 3, 8), jnp.bfloat16), lse=((2, 4, 3, 10), np.float32),
-                   result=((2, 5, 6, 8), jnp.bfloat16), result_lse=((2, 6, 5), np.float32),
-                   parts_heads_major=False)
-_MERGE_HEADS = dict(out=((2, 4, 3, 2, 8), jnp.bfloat16), lse=((2, 4, 3, 2), np.float32),
-                    result=((2, 1, 6, 8), jnp.bfloat16), result_lse=((2, 6, 1), np.float32),
-                    parts_heads_major=True)
+                   result=((2, 5, 6, 8), jnp.bfloat16), result_lse=((2, 6, 5), np.float32))
+_MERGE_CALL = dict(out=((2, 4, 5, 6, 8), jnp.bfloat16), lse=((2, 4, 6, 5), np.float32),
+                   result=((2, 5, 6, 8), jnp.bfloat16), result_lse=((2, 6, 5), np.float32))
 
 
 @pytest.mark.gpu
@@ -326,11 +324,11 @@ _MERGE_HEADS = dict(out=((2, 4, 3, 2, 8), jnp.bfloat16), lse=((2, 4, 3, 2), np.f
     (_MERGE_ROWS, dict(result_lse=((2, 5, 6), np.float32)), "lse"),
     (_MERGE_ROWS, dict(out=((2, 4, 10, 3, 6), jnp.bfloat16), result=((2, 5, 6, 6), jnp.bfloat16)),
      "multiples of 4"),
-    (_MERGE_ROWS, dict(parts_heads_major=True), "one query row only"),
-    (_MERGE_HEADS, dict(out=((2, 4, 2, 3, 8), jnp.bfloat16)), "out_parts"),
+    (_MERGE_CALL, dict(out=((2, 4, 6, 5, 8), jnp.bfloat16)), "out_parts"),
+    (_MERGE_CALL, dict(lse=((2, 4, 5, 6), np.float32)), "multiple of lse_parts' key/value heads"),
 ], ids=["out-dtype", "out-layout", "out-rank", "lse-rows", "lse-dtype", "output-shape",
-        "output-dtype", "heads-not-grouped", "lse-shape", "head-dim", "heads-major-rows",
-        "heads-major-layout"])
+        "output-dtype", "heads-not-grouped", "lse-shape", "head-dim", "call-layout-transposed",
+        "call-layout-lse-transposed"])
 def test_gpu_forward_merge_handler_rejects_inconsistent_buffers(platform, base, change,
                                                                 mentioned):
   from jax_flash import _extension
@@ -341,5 +339,4 @@ def test_gpu_forward_merge_handler_rejects_inconsistent_buffers(platform, base, 
   call = jax.ffi.ffi_call(_extension.FORWARD_MERGE_TARGET,
                           tuple(jax.ShapeDtypeStruct(*spec[n]) for n in ("result", "result_lse")))
   with pytest.raises(jax.errors.JaxRuntimeError, match=mentioned):
-    jax.block_until_ready(call(jnp.zeros(*spec["out"]), jnp.zeros(*spec["lse"]),
-                               parts_heads_major=spec["parts_heads_major"]))
+    jax.block_until_ready(call(jnp.zeros(*spec["out"]), jnp.zeros(*spec["lse"])))

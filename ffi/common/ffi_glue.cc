@@ -449,7 +449,7 @@ Status MakeBackwardParams(const AttentionAttrs& attrs, ffi::AnyBuffer q, ffi::An
 
 Status DescribeForwardMerge(ffi::AnyBuffer out_parts, ffi::AnyBuffer lse_parts,
                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                            bool parts_heads_major, ForwardMergeOperands* m) {
+                            ForwardMergeOperands* m) {
   *m = ForwardMergeOperands{};
   const auto part_dims = out_parts.dimensions();
   const auto lse_part_dims = lse_parts.dimensions();
@@ -473,20 +473,12 @@ Status DescribeForwardMerge(ffi::AnyBuffer out_parts, ffi::AnyBuffer lse_parts,
                                    "key/value heads (" + std::to_string(m->kv_heads) + ")");
   }
   m->group = heads / m->kv_heads;
-  if (parts_heads_major && m->query_rows != 1) {
-    return Status::InvalidArgument("jax_flash: the forward merge takes heads-major parts of one "
-                                   "query row only, got an output of shape " +
-                                   DimsToString(out_dims));
-  }
   BatchShape items;
   items.rank = 1;
   items.extent[0] = m->items;
   const int64_t packed_rows = m->query_rows * m->group;  // of a key/value head in a part
-  const std::vector<int64_t> part_rows =
-      parts_heads_major ? std::vector<int64_t>{m->kv_heads, m->group}
-                        : std::vector<int64_t>{packed_rows, m->kv_heads};
   JF_RETURN_IF_ERROR(Describe("out_parts", ViewOf(out_parts), items,
-                              {m->parts, part_rows[0], part_rows[1], m->head_dim},
+                              {m->parts, packed_rows, m->kv_heads, m->head_dim},
                               InnerCheck::kExact, BatchCheck::kFull, &m->out_parts));
   JF_RETURN_IF_ERROR(Describe("lse_parts", ViewOf(lse_parts), items,
                               {m->parts, m->kv_heads, packed_rows}, InnerCheck::kExact,

@@ -100,8 +100,8 @@ Status MakeBackwardParams(const AttentionAttrs& attrs, ffi::AnyBuffer q, ffi::An
 
 //! The buffers of the forward merge (the CUDA handler that joins a forward split along the
 //! keys), with T query rows, K key/value heads and G query heads per key/value head: out_parts
-//! (items, parts, K, G, H) where parts_heads_major (T = 1), else (items, parts, T*G, K, H), and
-//! lse_parts (items, parts, K, T*G) into out (items, T, K*G, H) and lse (items, K*G, T).
+//! (items, parts, T*G, K, H) and lse_parts (items, parts, K, T*G) into out (items, T, K*G, H)
+//! and lse (items, K*G, T). Parts in the call's layout are the case G = 1, K = N.
 struct ForwardMergeOperands {
   Operand out_parts, lse_parts, out, lse;
   int64_t items = 0, parts = 0, query_rows = 0, kv_heads = 0, group = 0, head_dim = 0;
@@ -111,7 +111,7 @@ struct ForwardMergeOperands {
 //! dtype shared by out_parts and out, and float32 log-sum-exps.
 Status DescribeForwardMerge(ffi::AnyBuffer out_parts, ffi::AnyBuffer lse_parts,
                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                            bool parts_heads_major, ForwardMergeOperands* operands);
+                            ForwardMergeOperands* operands);
 
 //! The buffers of the bias classes (the CUDA handler that classifies a bias's blocks for a
 //! pass's tile): bias (items..., rows, cols) into classes (items..., row_blocks, col_blocks)

@@ -97,10 +97,10 @@ ffi::Error BackwardCuda(cudaStream_t stream, int32_t device, AttentionAttrs attr
 }
 
 ffi::Error ForwardMergeCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer out_parts,
-                            ffi::AnyBuffer lse_parts, bool parts_heads_major,
-                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse) {
+                            ffi::AnyBuffer lse_parts, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::AnyBuffer> lse) {
   ForwardMergeOperands m;
-  Status status = DescribeForwardMerge(out_parts, lse_parts, out, lse, parts_heads_major, &m);
+  Status status = DescribeForwardMerge(out_parts, lse_parts, out, lse, &m);
   sm90::LaunchContext context;
   if (status.ok()) status = GetLaunchContext(stream, device, &context);
   if (status.ok() && (m.parts > INT32_MAX || m.query_rows > INT32_MAX ||
@@ -120,7 +120,6 @@ ffi::Error ForwardMergeCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     params.kv_heads = int32_t(m.kv_heads);
     params.group = int32_t(m.group);
     params.head_dim = int32_t(m.head_dim);
-    params.parts_heads_major = parts_heads_major;
     params.dtype = m.out_parts.dtype;
     status = sm90::RunForwardMerge(params, context);
   }
@@ -176,7 +175,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashForwardMergeCuda, jax_flash::ForwardMergeC
                                   .Ctx<xla::ffi::DeviceOrdinal>()
                                   .Arg<xla::ffi::AnyBuffer>()   // out_parts
                                   .Arg<xla::ffi::AnyBuffer>()   // lse_parts
-                                  .Attr<bool>("parts_heads_major")
                                   .Ret<xla::ffi::AnyBuffer>()   // out
                                   .Ret<xla::ffi::AnyBuffer>());  // lse
 

@@ -3,9 +3,9 @@
            attended one chunk of the keys and holds a normalised output and its log-sum-exp;
            the whole row's lse is the log-sum-exp of the parts' lses, and its output the sum of
            the parts' outputs weighted by exp(lse_part - lse). The parts come in the forward's
-           layouts of packed query heads, the merged rows go out in the call's (T, N, H) and
-           (N, T). A group of up to kMergeMaxLanes threads per (item, row, kMergeColumns
-           columns).
+           layout of packed query heads or in the call's, the merged rows go out in the call's
+           (T, N, H) and (N, T). A group of up to kMergeMaxLanes threads per (item, row,
+           kMergeColumns columns).
 */
 #pragma once
 
@@ -116,11 +116,16 @@ CUTE_DEVICE void merge_row_columns(const float* lse_parts, int64_t lse_stride,
   if (lse != nullptr) *lse = live ? max_lse + __logf(sum) : -INFINITY;
 }
 
+//! How the parts' rows lie: in the call's layout (G = 1, K = N), in the merged output's order,
+//! with one query row (whose lse is in that order too) or several; or packed in rows (T*G, K).
+enum class MergeLayout { kCallOneRow, kCall, kRows };
+
 //! One group of Shape::lanes threads per (item, row, kMergeColumns columns), rows in the order
 //! of the merged output: query row t, then key/value head k, then query head g of its group.
-//! Heads-major parts (one query row) are in that order too; parts in rows (T*G, K) take the
-//! row's (t, k, g) apart, which a single row's merge, the most frequent, does not pay for.
-template <class Element, class Shape, bool kPartsHeadsMajor>
+//! Parts in the call's layout are in that order too; their lse in (N, T) takes the row's t
+//! apart, and parts in rows (T*G, K) its (t, k, g). A single row's merge, the most frequent,
+//! divides nothing.
+template <class Element, class Shape, MergeLayout kLayout>
 __global__ void __launch_bounds__(kMergeThreads)
     forward_merge_kernel(CUTE_GRID_CONSTANT ForwardMergeParams const p) {
   const int64_t thread = int64_t(blockIdx.x) * kMergeThreads + threadIdx.x;
@@ -136,12 +141,14 @@ __global__ void __launch_bounds__(kMergeThreads)
   // The row's place among its part's rows, its part lse's at (k, t*G + g), and its merged lse's
   // at (k*G + g, t).
   int part_row = row, part_lse = row, merged_lse = row;
-  if constexpr (!kPartsHeadsMajor) {
+  if constexpr (kLayout != MergeLayout::kCallOneRow) {
     const int t = row / heads, head = row % heads;  // head = k * G + g
-    const int k = head / p.group, g = head % p.group;
-    part_row = (t * p.group + g) * p.kv_heads + k;
-    part_lse = (k * p.query_rows + t) * p.group + g;
-    merged_lse = head * p.query_rows + t;
+    merged_lse = part_lse = head * p.query_rows + t;
+    if constexpr (kLayout == MergeLayout::kRows) {
+      const int k = head / p.group, g = head % p.group;
+      part_row = (t * p.group + g) * p.kv_heads + k;
+      part_lse = (k * p.query_rows + t) * p.group + g;
+    }
   }
   const int64_t first_part = item * p.parts * rows;
   merge_row_columns<Shape>(

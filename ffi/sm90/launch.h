@@ -127,10 +127,10 @@ Status RunBackward(const BackwardParams& params, const BackwardWorkspaceLayout& 
 
 //! The merge of a forward split along the keys into parts (jax_flash/_split_kv.py), each part
 //! holding its rows' normalised outputs and log-sum-exps (kernel_fwd_merge.h): query rows T,
-//! key/value heads K and the G query heads of each packed as the forward ran them.
+//! key/value heads K and the G query heads of each packed as the forward ran them; G = 1 and
+//! K = N for parts in the call's layout, (T, N, H) and (N, T).
 struct ForwardMergeParams {
-  const void* out_parts = nullptr;   //!< (items, parts, K, G, H) if parts_heads_major (T = 1),
-                                     //!< else (items, parts, T*G, K, H); dtype
+  const void* out_parts = nullptr;   //!< (items, parts, T*G, K, H); dtype
   const float* lse_parts = nullptr;  //!< (items, parts, K, T*G)
   void* out = nullptr;               //!< (items, T, K*G, H), dtype
   float* lse = nullptr;              //!< (items, K*G, T)
@@ -140,7 +140,6 @@ struct ForwardMergeParams {
   int32_t kv_heads = 0;    //!< K
   int32_t group = 0;       //!< G
   int32_t head_dim = 0;
-  bool parts_heads_major = false;
   ElementType dtype = ElementType::kBFloat16;
 };
 

@@ -22,11 +22,13 @@ template <class Element, class Shape>
 Status launch_merge_shape(const ForwardMergeParams& p, const LaunchContext& context) {
   const int64_t threads = p.items * merged_rows(p) * (p.head_dim / kMergeColumns) * Shape::lanes;
   const int blocks = int((threads + kMergeThreads - 1) / kMergeThreads);
-  return p.parts_heads_major
-             ? launch_kernel(forward_merge_kernel<Element, Shape, true>, blocks, kMergeThreads, 0,
-                             p, context, "forward merge")
-             : launch_kernel(forward_merge_kernel<Element, Shape, false>, blocks, kMergeThreads,
-                             0, p, context, "forward merge");
+  const auto launch = [&](auto kernel) {
+    return launch_kernel(kernel, blocks, kMergeThreads, 0, p, context, "forward merge");
+  };
+  if (p.group > 1) return launch(forward_merge_kernel<Element, Shape, MergeLayout::kRows>);
+  return p.query_rows == 1
+             ? launch(forward_merge_kernel<Element, Shape, MergeLayout::kCallOneRow>)
+             : launch(forward_merge_kernel<Element, Shape, MergeLayout::kCall>);
 }
 
 //! The merge's shape by its number of parts: each lane's parts in one round of loads up to 64
@@ -50,10 +52,6 @@ Status RunForwardMerge(const ForwardMergeParams& p, const LaunchContext& context
       p.head_dim < 1) {
     return Status::InvalidArgument("jax_flash: the forward merge needs at least one part, one "
                                    "query head per key/value head and a positive head dim");
-  }
-  if (p.parts_heads_major && p.query_rows > 1) {
-    return Status::InvalidArgument("jax_flash: the forward merge takes heads-major parts of one "
-                                   "query row only");
   }
   if (p.head_dim % kMergeColumns != 0) {
     return Status::InvalidArgument("jax_flash: the forward merge takes head dims that are "
