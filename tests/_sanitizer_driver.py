@@ -62,7 +62,8 @@ def cases():
       # Few query rows (the tile this head dim prefers for them), and decoding steps: one
       # row and three rows against split keys (jax_flash/_split_kv.py), 4 query heads per
       # key/value head packed into rows in place (three rows through the forward's
-      # five-dimensional TMA boxes), the chunks merged by the merge kernel from either layout.
+      # five-dimensional TMA boxes), the chunks merged by the merge kernel from the call's
+      # layout (its one-row and several-row forms).
       yield dict(H=H, dtype=dtypes[1 % len(dtypes)], is_causal=False, window=None,
                  lengths=None, T=13)
       yield dict(H=H, dtype=dtypes[0], is_causal=False, window=None, lengths="ragged", T=1,
