@@ -91,12 +91,13 @@ class Kernel:
     return used <= self.features and (len(used) <= 1 or used in self.combinations)
 
   def tile_for(self, head_dim: int, rows: int | None = None, causal: bool = False,
-               segment_ids: bool = False):
+               segment_ids: bool = False, arrays: bool = False):
     """The tile of the smallest compiled head dim that covers `head_dim`; of a forward's
     several, the one a problem of `rows` query rows (None: a problem no preference names)
-    with a mask or bias array runs on, the tile its block classes are computed for: the first
-    that takes arrays and whose preference names the problem (Sm90ForwardTile.prefers), else
-    the default. The CUDA handler's RunForward (ffi/sm90/dispatch.cc) follows the same rule."""
+    runs on: the first whose preference names the problem (Sm90ForwardTile.prefers) and, for
+    a problem with a mask or bias array (`arrays`), that takes arrays; else the default. The
+    forward call passes its block_m to the CUDA handler, which runs that tile (the one rule),
+    and a mask's or bias's block classes are computed for it."""
     covering = min(t.head_dim for t in self.tiles if t.head_dim >= head_dim)
     tiles = [t for t in self.tiles if t.head_dim == covering]
     if len(tiles) == 1:
@@ -104,8 +105,8 @@ class Kernel:
     default = next(t for t in tiles if t.is_default)
     if rows is None:
       return default
-    return next((t for t in tiles if t.arrays and t.prefers(rows, causal, segment_ids)),
-                default)
+    return next((t for t in tiles
+                 if t.prefers(rows, causal, segment_ids) and (t.arrays or not arrays)), default)
 
 
 def _dtype(name: str) -> np.dtype:

@@ -80,7 +80,7 @@ from ._validation import AttentionConfig, gpu_kernels_run
 
 
 def _attributes(config: AttentionConfig, bias, bias_tiles, mask, mask_tiles, q_len, kv_len,
-                q_seg, bias_gradient=False, query_groups=1) -> dict:
+                q_seg, bias_gradient=False, query_groups=1, gpu_tile=None) -> dict:
   # XLA FFI attributes are typed exactly: float64 scale and softcap, int64 windows, bool flags.
   return dict(
       scale=np.float64(config.scale),
@@ -97,6 +97,8 @@ def _attributes(config: AttentionConfig, bias, bias_tiles, mask, mask_tiles, q_l
       deterministic=bool(config.deterministic),
       has_dbias=bool(bias_gradient),
       query_groups=np.int64(query_groups),
+      # The Hopper forward's tile (Kernel.tile_for), which the CUDA handler runs; 0 elsewhere.
+      block_m=np.int64(0 if gpu_tile is None else gpu_tile.block_m),
   )
 
 
@@ -298,8 +300,9 @@ def _logit_array_tiles(bias, mask, tile, T, S, rows_are_keys):
 
 def _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, *, gpu_tile=None,
                   query_groups=1):
-  """The forward FFI call. With gpu_tile (the CUDA handler's tile for the problem) a mask or
-  bias travels with its operands for the Hopper kernels (`_mask_tiles`, `_bias_tiles`). With
+  """The forward FFI call. With gpu_tile (the Hopper tile that runs the problem,
+  Kernel.tile_for; the CUDA handler takes its block_m) a mask or bias travels with its operands
+  for the Hopper kernels (`_mask_tiles`, `_bias_tiles`). With
   query_groups G > 1 the kernels attend q (batch..., T, N, H) as N / G heads of T*G rows (row
   t*G + g of head k: query row t of head k*G + g), which a mask or bias and the lengths then
   describe; the results keep the call's layouts."""
@@ -317,7 +320,7 @@ def _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, *, 
   operands = (q, k, v, *_present(bias), *bias_tiles, *_present(mask), *tiles,
               *_present(q_len, kv_len), *_segments(q_seg, kv_seg))
   results = call(*operands, **_attributes(config, bias, bias_tiles, mask, tiles, q_len, kv_len,
-                                          q_seg, query_groups=query_groups))
+                                          q_seg, query_groups=query_groups, gpu_tile=gpu_tile))
   return tuple(_varying.varying_like(results, *operands))
 
 
@@ -476,15 +479,17 @@ def _cuda_call(kernel: _config.Kernel, kernel_call, blockwise_call, config, q, b
 def _gpu_forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg):
   """The Hopper forward; decoding shapes (few query rows against many keys) by `_split_kv`."""
   plan = _split_kv.plan(q.shape, k.shape, config, q_seg is not None)
+  arrays = bias is not None or mask is not None
   if plan is None:
     tile = _config.SM90_FORWARD.tile_for(q.shape[-1], q.shape[-3], config.window_right == 0,
-                                         q_seg is not None)
+                                         q_seg is not None, arrays=arrays)
     return _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg,
                          gpu_tile=tile)
 
   def call(q, k, v, bias, mask, q_len, kv_len, query_groups):
     # Split problems have no window (_split_kv.plan): rows are the packed query heads'.
-    tile = _config.SM90_FORWARD.tile_for(q.shape[-1], q.shape[-3] * query_groups)
+    tile = _config.SM90_FORWARD.tile_for(q.shape[-1], q.shape[-3] * query_groups,
+                                         arrays=arrays)
     return _forward_call(config, q, k, v, bias, mask, q_len, kv_len, None, None, gpu_tile=tile,
                          query_groups=query_groups)
 

@@ -195,7 +195,7 @@ def handler_attrs(**overrides):
                window_right=np.int64(-1), has_bias=False, has_bias_blocks=False, has_mask=False,
                has_mask_blocks=False, has_q_seqlens=False, has_kv_seqlens=False,
                has_segment_ids=False, deterministic=False, has_dbias=False,
-               query_groups=np.int64(1))
+               query_groups=np.int64(1), block_m=np.int64(0))
   attrs.update(overrides)
   return attrs
 

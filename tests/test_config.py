@@ -156,25 +156,30 @@ def test_table_is_consistent():
     assert tile.stages_q_with_bias >= 0
 
 
-def test_forward_tile_for_arrays_follows_the_preferences():
-  """A problem with a mask or bias array runs on the first tile of its head dim that takes
-  arrays and whose preference names it, else on the default: the tile whose blocks Python
-  classifies must be the one the CUDA handler picks (the handler checks the classes' extents)."""
+def test_forward_tile_for_follows_the_preferences():
+  """A problem runs on the first tile of its head dim whose preference names it (with a mask
+  or bias array, the first that also takes arrays), else on the default: the forward call
+  passes that tile's block_m to the CUDA handler, and a mask's or bias's blocks are classified
+  for it (the handler checks the classes' extents)."""
   forward = _config.SM90_FORWARD
   for head_dim in _config.GPU_HEAD_DIMS:
     tiles = [t for t in _config.SM90_FORWARD_TILES if t.head_dim == head_dim]
     default = next(t for t in tiles if t.is_default)
     assert forward.tile_for(head_dim) == default
+    assert len({t.block_m for t in tiles}) == len(tiles)  # block_m names the tile
     for rows in (1, 16, 64, 65, 128, 2048, 2049, 8192):
       for causal in (False, True):
         for segment_ids in (False, True):
-          tile = forward.tile_for(head_dim, rows, causal, segment_ids)
-          listed = [t for t in tiles if t.arrays and t.prefers(rows, causal, segment_ids)]
-          assert tile == (listed[0] if listed else default)
-          assert tile.is_default or (tile.arrays and tile.prefers(rows, causal, segment_ids))
+          for arrays in (False, True):
+            tile = forward.tile_for(head_dim, rows, causal, segment_ids, arrays)
+            listed = [t for t in tiles if t.prefers(rows, causal, segment_ids)
+                      and (t.arrays or not arrays)]
+            assert tile == (listed[0] if listed else default)
+            assert tile.is_default or (tile.prefers(rows, causal, segment_ids)
+                                       and (tile.arrays or not arrays))
   decoding = [t for t in _config.SM90_FORWARD_TILES if t.arrays and t.prefer_rows_up_to]
   for tile in decoding:  # a decoding step's packed rows run on the tile that prefers few rows
-    assert forward.tile_for(tile.head_dim, tile.prefer_rows_up_to) == tile
+    assert forward.tile_for(tile.head_dim, tile.prefer_rows_up_to, arrays=True) == tile
 
 
 def test_gpu_head_dim_supported_follows_the_table():

@@ -671,6 +671,20 @@ def test_backward_handler_rejects_query_groups():
     _backward(operands, results, query_groups=np.int64(2))
 
 
+def test_forward_handler_rejects_a_negative_block_m():
+  """block_m names the Hopper forward's tile (0: the default); the CPU kernels have none."""
+  q, k, v = (np.zeros(x.shape, np.float32) for x in arrays())
+  with pytest.raises(jax.errors.JaxRuntimeError, match="block_m"):
+    _forward([q, k, v], block_m=np.int64(-1))
+
+
+def test_backward_handler_rejects_a_block_m():
+  """The backward has one tile per head dim: block_m must be 0."""
+  operands, results = _backward_parts()
+  with pytest.raises(jax.errors.JaxRuntimeError, match="block_m"):
+    _backward(operands, results, block_m=np.int64(64))
+
+
 def test_backward_handler_takes_a_bias_without_its_gradient():
   """has_dbias off: the bias is read and no dbias is returned."""
   operands, results = _backward_parts()

@@ -10,8 +10,9 @@ import pytest
 import jax_flash
 from jax_flash import _config
 
-from _harness import Case, assert_close, check_forward, default_dtype, default_head_dim, np_dtype
-from _platforms import platform_dtypes, platform_params, with_platform
+from _harness import (Case, assert_close, check_forward, default_dtype, default_head_dim,
+                      handler_attrs, np_dtype)
+from _platforms import GPU, platform_dtypes, platform_params, with_platform
 
 
 def case_on(platform: str, **fields) -> Case:
@@ -148,3 +149,34 @@ def test_empty_extents(shape_q, shape_k):
   out, lse = jax_flash.dot_product_attention(q, k, k, return_residual=True)
   assert out.shape == shape_q and lse.shape == shape_q[:-1]
   assert np.all(np.asarray(out) == 0) and np.all(np.asarray(lse) == -np.inf)
+
+
+@pytest.mark.parametrize("platform", [GPU], indirect=True)
+def test_gpu_handler_runs_the_tile_block_m_names(platform):
+  """The CUDA handler runs the forward tile that block_m names among its head dim's tiles (0:
+  the default), as Kernel.tile_for picks it; it refuses a block_m that names none. Every tile
+  computes the same attention: outputs of two tiles, each float32 accumulation rounded once to
+  bfloat16, differ by at most one rounding of each (2 ulps of the largest output)."""
+  from jax_flash import _extension
+
+  _extension.ensure_registered()
+  rng = np.random.default_rng(0)
+  dtype = _config.GPU_DTYPES[0]
+  for head_dim in _config.GPU_HEAD_DIMS:
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 200, 2, head_dim), np.float32), dtype)
+               for _ in range(3))
+    call = jax.ffi.ffi_call(_extension.FORWARD_TARGET,
+                            (jax.ShapeDtypeStruct(q.shape, dtype),
+                             jax.ShapeDtypeStruct((1, 2, 200), jnp.float32)))
+    outputs = {}
+    for block_m in [0] + [t.block_m for t in _config.SM90_FORWARD_TILES
+                          if t.head_dim == head_dim]:
+      out, lse = call(q, k, v, **handler_attrs(block_m=np.int64(block_m)))
+      outputs[block_m] = (np.asarray(out, np.float64), np.asarray(lse))
+    base_out, base_lse = outputs[0]
+    ulp = 2.0 ** -7 * np.abs(base_out).max()  # bfloat16: 8 significant bits
+    for block_m, (out, lse) in outputs.items():
+      assert np.abs(out - base_out).max() <= 2 * ulp, (head_dim, block_m)
+      np.testing.assert_allclose(lse, base_lse, rtol=1e-5, atol=1e-5)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="has block_m"):
+      jax.block_until_ready(call(q, q, q, **handler_attrs(block_m=np.int64(7))))

@@ -157,6 +157,9 @@ struct ForwardParams {
   //! heads of a query row, num_heads * q.stride[1] between query rows; lse is laid out (K, G,
   //! T). (A single query row packs with the one stride, as plain rows: this stays 1.)
   int64_t query_groups = 1;
+  //! The Hopper forward tile (its block_m among the head dim's tiles, kernel_configs.json)
+  //! that runs the call; 0: the head dim's default.
+  int64_t block_m = 0;
 };
 
 struct BackwardParams {

@@ -373,6 +373,11 @@ Status MakeForwardParams(const AttentionAttrs& attrs, ffi::AnyBuffer q, ffi::Any
   JF_RETURN_IF_ERROR(Describe("lse", ViewOf(*lse), batch, {s.num_heads * groups, query_rows},
                               InnerCheck::kExact, BatchCheck::kFull, &p->lse));
   JF_RETURN_IF_ERROR(CheckDtype("lse", p->lse, LseType(s.dtype)));
+  if (attrs.block_m < 0) {
+    return Status::InvalidArgument("jax_flash: block_m must be >= 0 (0: the default tile), got " +
+                                   std::to_string(attrs.block_m));
+  }
+  p->block_m = attrs.block_m;
   if (groups > 1) {
     // The kernel's (K, T*G) view: exact for one query row; several are laid out (K, G, T),
     // which query_groups tells the kernels.
@@ -396,6 +401,10 @@ Status MakeBackwardParams(const AttentionAttrs& attrs, ffi::AnyBuffer q, ffi::An
   if (attrs.query_groups != 1) {
     return Status::InvalidArgument("jax_flash: the backward takes the call's query heads "
                                    "unpacked (query_groups must be 1)");
+  }
+  if (attrs.block_m != 0) {
+    return Status::InvalidArgument("jax_flash: the backward has one tile per head dim "
+                                   "(block_m must be 0)");
   }
   p->deterministic = attrs.deterministic;
   ForwardParams& f = p->fwd;

@@ -49,6 +49,10 @@ struct AttentionAttrs {
   //! keep the call's layouts), so that a decoding step's query heads of a key/value group are
   //! rows of one head without a copy (jax_flash/_split_kv.py); backward: must be 1.
   int64_t query_groups;
+  //! forward: the Hopper tile to run, by its block_m among its head dim's tiles
+  //! (kernel_configs.json), as jax_flash/_config.py's Kernel.tile_for picks it; 0: the head
+  //! dim's default. The CPU kernels have no tiles (any value >= 0). Backward: must be 0.
+  int64_t block_m;
 };
 
 //! Appends the shared forward signature to a binding that already holds the platform context.
@@ -149,4 +153,5 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_flash::AttentionAttrs,
                                       ::xla::ffi::StructMember<bool>("has_segment_ids"),
                                       ::xla::ffi::StructMember<bool>("deterministic"),
                                       ::xla::ffi::StructMember<bool>("has_dbias"),
-                                      ::xla::ffi::StructMember<int64_t>("query_groups"));
+                                      ::xla::ffi::StructMember<int64_t>("query_groups"),
+                                      ::xla::ffi::StructMember<int64_t>("block_m"));

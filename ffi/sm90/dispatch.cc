@@ -1,7 +1,8 @@
 /*! \file dispatch.cc
-    \brief Picks the compiled Hopper configuration for a problem and checks what the kernels
-           require of it (host compiler; the configurations and the operands each kernel takes
-           come from the generated table).
+    \brief Runs a problem on the compiled Hopper configuration it names (the forward tile by
+           its block_m, which Python picks) and checks what the kernels require of it (host
+           compiler; the configurations and the operands each kernel takes come from the
+           generated table).
 */
 #include <cstdint>
 #include <cstdio>
@@ -115,18 +116,6 @@ Status RunForwardForDtype(const ForwardParams& p, const LaunchContext& context) 
              : RunForwardTile<ElementType::kFloat16, kTileHeadDim, kTileBlockM>(p, context);
 }
 
-//! Whether a forward tile's preferences (kernel_configs.json) name the problem `p`; for a problem
-//! with a mask or bias array, only a tile that lists `arrays` (the default, a tile with none,
-//! runs every other such problem).
-bool ForwardTilePrefers(const ForwardParams& p, int64_t causal_up_to, bool segment_ids,
-                        int64_t rows_up_to, bool arrays) {
-  if ((p.mask_bits.present() || p.bias.present()) && !arrays) return false;
-  const bool causal = p.options.window_right == 0;
-  return (causal_up_to > 0 && causal && p.shape.seqlen_q <= causal_up_to) ||
-         (segment_ids && p.q_segment_ids.present()) ||
-         (rows_up_to > 0 && p.shape.seqlen_q <= rows_up_to);
-}
-
 template <int kTileHeadDim>
 Status RunBackwardForDtype(const BackwardParams& p, const BackwardWorkspaceLayout& layout,
                            void* workspace, const LaunchContext& context) {
@@ -168,25 +157,27 @@ Status RunForward(const ForwardParams& params, const LaunchContext& context) {
                                {&params.q, &params.k, &params.v, &params.out});
   if (!status.ok()) return status;
   // Tiles are listed by ascending head dim: the first head dim that covers the problem's runs
-  // it, on the first of its tiles whose preference the problem meets, else on its default.
+  // it, on the tile Python chose by its preferences (Kernel.tile_for, block_m), else on the
+  // head dim's default.
   int64_t tile_head_dim = 0;
 #define JAX_FLASH_FIND_HEAD_DIM(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO, ARRAYS) \
   if (tile_head_dim == 0 && params.shape.head_dim <= HEAD_DIM) tile_head_dim = HEAD_DIM;
   JAX_FLASH_SM90_FORWARD_TILES(JAX_FLASH_FIND_HEAD_DIM)
 #undef JAX_FLASH_FIND_HEAD_DIM
-#define JAX_FLASH_TRY_PREFERRED(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO, ARRAYS) \
-  if (tile_head_dim == HEAD_DIM &&                                                                \
-      ForwardTilePrefers(params, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO, ARRAYS))                  \
+#define JAX_FLASH_TRY_TILE(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO, ARRAYS) \
+  if (tile_head_dim == HEAD_DIM &&                                                           \
+      (params.block_m == 0 ? is_default_forward_tile(HEAD_DIM, BLOCK_M)                      \
+                           : params.block_m == BLOCK_M))                                     \
     return RunForwardForDtype<HEAD_DIM, BLOCK_M>(params, context);
-  JAX_FLASH_SM90_FORWARD_TILES(JAX_FLASH_TRY_PREFERRED)
-#undef JAX_FLASH_TRY_PREFERRED
-#define JAX_FLASH_TRY_DEFAULT(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO, ARRAYS) \
-  if (tile_head_dim == HEAD_DIM && is_default_forward_tile(HEAD_DIM, BLOCK_M))                  \
-    return RunForwardForDtype<HEAD_DIM, BLOCK_M>(params, context);
-  JAX_FLASH_SM90_FORWARD_TILES(JAX_FLASH_TRY_DEFAULT)
-#undef JAX_FLASH_TRY_DEFAULT
-  return Status::Internal("jax_flash: no compiled Hopper forward tile covers head dim " +
-                          std::to_string(params.shape.head_dim));
+  JAX_FLASH_SM90_FORWARD_TILES(JAX_FLASH_TRY_TILE)
+#undef JAX_FLASH_TRY_TILE
+  if (tile_head_dim == 0) {
+    return Status::Internal("jax_flash: no compiled Hopper forward tile covers head dim " +
+                            std::to_string(params.shape.head_dim));
+  }
+  return Status::InvalidArgument("jax_flash: no compiled Hopper forward tile of head dim " +
+                                 std::to_string(tile_head_dim) + " has block_m " +
+                                 std::to_string(params.block_m) + " (kernel_configs.json)");
 }
 
 Status GetBackwardWorkspaceLayout(const BackwardParams& params, BackwardWorkspaceLayout* layout) {

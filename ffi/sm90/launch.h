@@ -84,9 +84,9 @@ constexpr bool is_default_forward_tile(int head_dim, int block_m) {
 //! Whether the compiled forward tile (head_dim, block_m) takes mask and bias arrays: its head
 //! dim's default, and a tile that lists "arrays" (kernel_configs.json).
 constexpr bool forward_tile_takes_arrays(int head_dim, int block_m) {
+  if (is_default_forward_tile(head_dim, block_m)) return true;
 #define JAX_FLASH_TAKES_ARRAYS(HEAD_DIM, BLOCK_M, CAUSAL_UP_TO, SEGMENT_IDS, ROWS_UP_TO, ARRAYS) \
-  if (HEAD_DIM == head_dim && BLOCK_M == block_m)                                                \
-    return ARRAYS || (CAUSAL_UP_TO == 0 && !SEGMENT_IDS && ROWS_UP_TO == 0);
+  if (HEAD_DIM == head_dim && BLOCK_M == block_m) return ARRAYS;
   JAX_FLASH_SM90_FORWARD_TILES(JAX_FLASH_TAKES_ARRAYS)
 #undef JAX_FLASH_TAKES_ARRAYS
   return false;

@@ -53,6 +53,8 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   mainloop.bias_units = bias_units<Traits>(p);
   mainloop.bias_in_tiles = Traits::kBiasInTiles && moves_in_tiles<Element>(p.bias);
   if (mainloop.bias_in_tiles) mainloop.bias = logit_tensor<Element>(p.bias, s.batch);
+  kp.mainloop = Kernel::Mainloop::to_params(mainloop);
+
   typename Kernel::Epilogue::Arguments epilogue;
   epilogue.o = sequence_tensor<Element>(p.out, s.seqlen_q, s.num_heads, s.head_dim, s.batch);
   epilogue.lse = static_cast<float*>(p.lse.data);
@@ -74,7 +76,6 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
     }
     if (!status.ok()) return status;
   }
-  kp.mainloop = Kernel::Mainloop::to_params(mainloop);
   kp.epilogue = Kernel::Epilogue::to_params(epilogue);
 
   // A window (causal) makes later query blocks see more keys: schedule them first, over
@@ -108,11 +109,11 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
                        Kernel::kSharedStorageBytes, kp, context, "forward");
 }
 
-//! The feature sets a forward tile is instantiated for: the routing of RunForward (dispatch.cc)
-//! reaches no others. Mask and bias arrays run on each head dim's default tile and on the tiles
-//! that list them, for which Python classifies the arrays' blocks (instantiations for the
-//! tiles that gain most, not for every one); segment ids without them, on a tile that prefers
-//! them where there is one.
+//! The feature sets a forward tile is instantiated for: the tile Python picks for a call
+//! (Kernel.tile_for, passed as block_m) is one that takes its features. Mask and bias arrays run
+//! on each head dim's default tile and on the tiles that list them, for which Python classifies
+//! the arrays' blocks (instantiations for the tiles that gain most, not for every one); segment
+//! ids without them, on a tile that prefers them where there is one.
 template <int kTileHeadDim, int kTileBlockM>
 inline constexpr KernelFeatures kForwardTileFeatures =
     !is_default_forward_tile(kTileHeadDim, kTileBlockM)
