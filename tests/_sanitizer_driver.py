@@ -12,13 +12,13 @@ each tile; causal, ragged; and Gemma 2's cap over unit-scale logits, the forward
 segment ids (sorted and not; their own instantiations, with and without soft-capping) and mask
 arrays (their own instantiations on each head dim's default tile: empty, full and partial blocks,
 per head with grouped heads, and soft-capped under the ordered dQ reduction, which visits the empty
-ones) and bias arrays (their own instantiations on the default tiles: per head and batch item with
-grouped heads and odd key counts, read element by element; broadcast over queries, read in pairs;
-patches of the lowest value and -inf, whose blocks are skipped, under the ordered dQ reduction,
-which visits them, with odd key counts and 16-byte rows by turns (the classes kernel's two ways of
-reading a block); their gradient, element by element and summed over the queries), and the pairs of
-these the kernels combine (a bias with a mask, whose classes the kernels read alone; a bias or a
-mask with segment ids).
+ones; in decoding, per head and a mask of keys alone) and bias arrays (their own instantiations on
+the default tiles: per head and batch item with grouped heads and odd key counts, read element by
+element; broadcast over queries, read in pairs; patches of the lowest value and -inf, whose blocks
+are skipped, under the ordered dQ reduction, which visits them, with odd key counts and 16-byte rows
+by turns (the classes kernel's two ways of reading a block); their gradient, element by element and
+summed over the queries), and the pairs of these the kernels combine (a bias with a mask, whose
+classes the kernels read alone; a bias or a mask with segment ids).
 A head dim with several forward tiles runs its causal, segment-id and few-row cases (decoding
 among them) on the tile that prefers them (kernel_configs.json) and the others on its default.
 Each case also runs the gradients (the backward's kernels). Every output and gradient is
@@ -75,6 +75,9 @@ def cases():
       if "mask" in _config.SM90_FORWARD.features:
         yield dict(H=H, dtype=dtypes[0], is_causal=False, window=None, lengths="ragged", T=1,
                    S=2048, N=8, K=2, mask="patches")
+        # A mask of keys alone for every head (a decoding step's cache, as Flax masks it).
+        yield dict(H=H, dtype=dtypes[1 % len(dtypes)], is_causal=False, window=None,
+                   lengths="ragged", T=1, S=2048, N=8, K=2, mask="keys")
       if "bias" in _config.SM90_FORWARD.features:
         yield dict(H=H, dtype=dtypes[1 % len(dtypes)], is_causal=False, window=None,
                    lengths=None, T=3, S=2048, N=8, K=2, bias="B1TS")
@@ -158,6 +161,10 @@ def run(H, dtype, is_causal, window, lengths, B=3, T=167, S=201, N=4, K=2, deter
     keep = np.where(kind == 2, rng.random((B, N, T, S)) < 0.5, kind == 1)
     keep[..., ::7, :] = False
     kwargs.update(mask=jnp.asarray(keep))
+  if mask == "keys":  # runs of 16 keys empty, full or random per batch item, for every head
+    kind = np.repeat(rng.integers(0, 3, (B, 1, 1, -(-S // 16))), 16, -1)[..., :S]
+    kwargs.update(mask=jnp.asarray(np.where(kind == 2, rng.random((B, 1, 1, S)) < 0.5,
+                                            kind == 1)))
   if bias is not None:  # differentiated: the backward computes dbias
     spec = "BNTS" if bias == "lowest" else bias
     shape = tuple({"B": B, "N": N, "T": T, "S": S, "1": 1}[c] for c in spec)

@@ -246,6 +246,8 @@ GPU_MASKS = {
     "documents": ("B1TS", lambda c, rng: np.stack(
         [_documents((300, 1, 211), c.T, c.S), _documents((512,), c.T, c.S)])[:, None]),
     "padding": ("B11S", lambda c, rng: (np.arange(c.S) < np.array([[400], [77]]))[:, None, None]),
+    # Keys alone, per head: runs of 64 empty, full or random keys, in blocks of 80 keys too.
+    "keys-per-head": ("BN1S", lambda c, rng: _patches(rng, (c.B, c.N, 1, c.S), patch=64)),
     "patches-per-head": ("BNTS", lambda c, rng: _patches(rng, (c.B, c.N, c.T, c.S))),
     "dead-rows": ("1NTS", lambda c, rng: _patches(rng, (1, c.N, c.T, c.S))
                   & (np.arange(c.T) % 5 != 0)[:, None]),
@@ -299,7 +301,7 @@ def test_gpu_logit_arrays_of_few_query_rows(platform, H, rows):
   soft cap, and a bias with a mask of keys where the kernels combine the pair; forward and
   gradients, both dtypes. (As many query as key/value heads and 700 keys: the plain forward,
   not the decoding split.)"""
-  assert _config.SM90_FORWARD.tile_for(H, rows).arrays
+  assert _config.SM90_FORWARD.tile_for(H, rows, arrays=True).arrays
   for dtype in _config.GPU_DTYPES:
     case = Case(B=2, T=rows, S=700, N=4, K=4, H=H, dtype=dtype.name, mask="BNTS",
                 q_lens=(rows, max(rows - 3, 0)), kv_lens=(700, 301))
