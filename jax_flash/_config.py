@@ -37,7 +37,8 @@ class Sm90ForwardTile:
   # Takes mask and bias arrays too, and prefers the calls with them its preference names (a
   # default tile takes them always).
   arrays: bool = False
-  # The consumer warpgroups take turns at the softmax (tiles of two warpgroups; kernel only).
+  # The consumer warpgroups take turns at the softmax (tiles of two warpgroups, kernels without
+  # soft-capping; kernel only).
   softmax_turns: bool = False
 
   @property

@@ -432,12 +432,6 @@ struct ForwardMainloop {
     };
 
     const typename Traits::Logits scaled{params.scale_log2};
-    // With softmax turns, a warpgroup takes its turn before the whole step, or under a soft
-    // cap only before the exponentials, which the cap lengthens (its series runs in the
-    // exponent): the cap's form test, masking and maxima then overlap the other warpgroup's
-    // exponentials. Measured on an H100, causal T <= 2048: capped 6-8% faster at head dim 64
-    // and 0-3% at 128, while uncapped steps ran 1-8% slower with the turn there.
-    constexpr bool kTurnAtExponents = Traits::kSoftcap;
     // S of key block n_block into probabilities: the cap, then the bias, before masking,
     // since masked logits must end at -inf, then the softmax step. A warp whose products fit
     // one of the cap's series leaves them raw and caps them in the softmax's exponent, unless a
@@ -480,11 +474,11 @@ struct ForwardMainloop {
         }
       }
       constexpr bool kFirst = decltype(first)::value;
-      if constexpr (kTurnAtExponents) {
+      if constexpr (Traits::kSoftcap) {
         // Each warp's cap form picks its logit map (a warp-uniform branch, taken once for the
         // maxima and once for the exponentials), and with a series the bound that may stand
-        // in for the maxima. The turn's barrier sits between the two, outside the branch, so
-        // that every warp of the warpgroup reaches it at the same instruction.
+        // in for the maxima. (One branch around both ran 2-4% slower on head dim 64's 192-row
+        // tile, H200.)
         const bool rows_visible = kPBoundable && !masked;
         auto with_logit_map = [&](auto&& step) {
           if (capped.form == CapForm::kShortSeries) {
@@ -500,7 +494,6 @@ struct ForwardMainloop {
         const auto block_max = with_logit_map([&](auto const& map, BlockBound bound) {
           return softmax.block_maxima(s, map, bound);
         });
-        wait_softmax_turn(warp_group);
         return with_logit_map([&](auto const& map, BlockBound) {
           return softmax.template exponentiate<kFirst>(s, map, block_max);
         });
@@ -509,7 +502,7 @@ struct ForwardMainloop {
       }
     };
     auto softmax_step = [&](auto first, int n_block, MaskBlock cls) CUTLASS_LAMBDA_FUNC_INLINE {
-      if constexpr (!kTurnAtExponents) wait_softmax_turn(warp_group);
+      wait_softmax_turn(warp_group);
       const auto rescale = probabilities(first, n_block, cls);
       pass_softmax_turn(warp_group);
       return rescale;
