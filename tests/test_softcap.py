@@ -367,7 +367,8 @@ def test_gpu_kernels_series_form(platform, name):
   the series or the short one, while the cap still lowers the row maxima, which rule the
   softmax (by 3 to 6% under the first). With outliers the queries of rows 128-191 are
   scaled up: the warps and backward steps holding them take a longer form, beside ones that
-  do not, in the same kernels."""
+  do not, in the same kernels. In each dtype: in bfloat16 the forward takes the series' bound
+  for the row maxima of the blocks off the diagonal."""
   cap_over_largest, outlier_factor, want_forms = SERIES_FORM_CASES[name]
   case = Case(B=2, T=300, S=300, N=2, H=128, dtype=_config.GPU_DTYPES[-1].name, is_causal=True,
               std=STD)
@@ -382,8 +383,44 @@ def test_gpu_kernels_series_form(platform, name):
     outlying = float(np.abs(scaled_logits(case, inp)[:, :, 128:192]).max())
     forms.add(_cap_form(outlying, case.softcap))
   assert forms == want_forms
-  check_forward(case, platform, inp=inp)
-  check_gradients(case, platform, inp=inp, through_lse=True)
+  for dtype in _config.GPU_DTYPES:
+    cast = dataclasses.replace(inp, q=inp.q.astype(np_dtype(dtype.name)),
+                               k=inp.k.astype(np_dtype(dtype.name)),
+                               v=inp.v.astype(np_dtype(dtype.name)))
+    check_forward(case.replace(dtype=dtype.name), platform, inp=cast)
+    check_gradients(case.replace(dtype=dtype.name), platform, inp=cast, through_lse=True)
+
+
+# Key blocks (128 keys, visited from the last) whose keys are scaled up so that the products
+# leave the short series' reach there, under a cap 7.5 times the largest ordinary logit: the
+# warps cap those blocks in the long series and the others in the short one, and in bfloat16
+# the running maxima move between the two series' bounds (softmax.h's BlockBound) from block
+# to block.
+LEAVING_BLOCKS = {"one-block": (2,), "last-two-blocks": (0, 1)}
+
+
+@with_platform("platform,name", platform_params([], list(LEAVING_BLOCKS)))
+def test_gpu_blocks_that_leave_the_short_series(platform, name):
+  """Exact results where key blocks leave the short series' reach among blocks that do not, in
+  each dtype; four key blocks, no masking."""
+  case = Case(B=1, T=200, S=512, N=2, H=128, dtype=_config.GPU_DTYPES[0].name, std=STD)
+  inp = make_inputs(case)
+  ordinary = float(np.abs(scaled_logits(case, inp)).max())
+  case = case.replace(softcap=7.5 * ordinary)
+  k = inp.k.astype(np.float64)
+  for block in LEAVING_BLOCKS[name]:
+    k[:, 128 * block:128 * (block + 1)] *= 3.0
+  for dtype in _config.GPU_DTYPES:
+    cast = dataclasses.replace(inp, q=inp.q.astype(np_dtype(dtype.name)),
+                               k=k.astype(np_dtype(dtype.name)),
+                               v=inp.v.astype(np_dtype(dtype.name)))
+    logits = np.abs(scaled_logits(case, cast))
+    for block in range(4):
+      largest = float(logits[..., 128 * block:128 * (block + 1)].max())
+      leaves = block in LEAVING_BLOCKS[name]
+      assert (_cap_form(largest, case.softcap) != "short series") == leaves
+    check_forward(case.replace(dtype=dtype.name), platform, inp=cast)
+    check_gradients(case.replace(dtype=dtype.name), platform, inp=cast, through_lse=True)
 
 
 @with_platform("platform,H", platform_params([], _gpu_head_dims()))
