@@ -352,6 +352,14 @@ SERIES_FORM_CASES = {
 }
 
 
+def _in_each_gpu_dtype(case: Case, inp):
+  """(case, inputs) in each GPU dtype: q, k and v of `inp` (float64 or any dtype) cast to it."""
+  for dtype in _config.GPU_DTYPES:
+    dt = np_dtype(dtype.name)
+    yield case.replace(dtype=dtype.name), dataclasses.replace(
+        inp, q=inp.q.astype(dt), k=inp.k.astype(dt), v=inp.v.astype(dt))
+
+
 def _cap_form(largest, cap):
   for form, reach in SERIES_REACH.items():
     if largest <= reach * cap:
@@ -368,7 +376,8 @@ def test_gpu_kernels_series_form(platform, name):
   softmax (by 3 to 6% under the first). With outliers the queries of rows 128-191 are
   scaled up: the warps and backward steps holding them take a longer form, beside ones that
   do not, in the same kernels. In each dtype: in bfloat16 the forward takes the series' bound
-  for the row maxima of the blocks off the diagonal."""
+  for the row maxima of the blocks off the diagonal, and the floor of the running maxima
+  (LogitSoftcap::maxima_floor) for those of the short series' blocks, the diagonal's too."""
   cap_over_largest, outlier_factor, want_forms = SERIES_FORM_CASES[name]
   case = Case(B=2, T=300, S=300, N=2, H=128, dtype=_config.GPU_DTYPES[-1].name, is_causal=True,
               std=STD)
@@ -383,19 +392,16 @@ def test_gpu_kernels_series_form(platform, name):
     outlying = float(np.abs(scaled_logits(case, inp)[:, :, 128:192]).max())
     forms.add(_cap_form(outlying, case.softcap))
   assert forms == want_forms
-  for dtype in _config.GPU_DTYPES:
-    cast = dataclasses.replace(inp, q=inp.q.astype(np_dtype(dtype.name)),
-                               k=inp.k.astype(np_dtype(dtype.name)),
-                               v=inp.v.astype(np_dtype(dtype.name)))
-    check_forward(case.replace(dtype=dtype.name), platform, inp=cast)
-    check_gradients(case.replace(dtype=dtype.name), platform, inp=cast, through_lse=True)
+  for typed, cast in _in_each_gpu_dtype(case, inp):
+    check_forward(typed, platform, inp=cast)
+    check_gradients(typed, platform, inp=cast, through_lse=True)
 
 
 # Key blocks (128 keys, visited from the last) whose keys are scaled up so that the products
 # leave the short series' reach there, under a cap 7.5 times the largest ordinary logit: the
 # warps cap those blocks in the long series and the others in the short one, and in bfloat16
-# the running maxima move between the two series' bounds (softmax.h's BlockBound) from block
-# to block.
+# the row maxima are taken as the long series' bound (softmax.h's BlockBound) in the first and
+# as the floor of the running maxima (LogitSoftcap::maxima_floor) in the second.
 LEAVING_BLOCKS = {"one-block": (2,), "last-two-blocks": (0, 1)}
 
 
@@ -410,25 +416,22 @@ def test_gpu_blocks_that_leave_the_short_series(platform, name):
   k = inp.k.astype(np.float64)
   for block in LEAVING_BLOCKS[name]:
     k[:, 128 * block:128 * (block + 1)] *= 3.0
-  for dtype in _config.GPU_DTYPES:
-    cast = dataclasses.replace(inp, q=inp.q.astype(np_dtype(dtype.name)),
-                               k=k.astype(np_dtype(dtype.name)),
-                               v=inp.v.astype(np_dtype(dtype.name)))
-    logits = np.abs(scaled_logits(case, cast))
+  for typed, cast in _in_each_gpu_dtype(case, dataclasses.replace(inp, k=k)):
+    logits = np.abs(scaled_logits(typed, cast))
     for block in range(4):
       largest = float(logits[..., 128 * block:128 * (block + 1)].max())
       leaves = block in LEAVING_BLOCKS[name]
       assert (_cap_form(largest, case.softcap) != "short series") == leaves
-    check_forward(case.replace(dtype=dtype.name), platform, inp=cast)
-    check_gradients(case.replace(dtype=dtype.name), platform, inp=cast, through_lse=True)
+    check_forward(typed, platform, inp=cast)
+    check_gradients(typed, platform, inp=cast, through_lse=True)
 
 
 @with_platform("platform,H", platform_params([], _gpu_head_dims()))
 def test_gpu_gemma_cap_over_unit_logits(platform, H):
   """Gemma 2's cap (50) over unit-scale logits, as the benchmarks run it: every warp takes the
-  short series, and in bfloat16 the blocks off the diagonal take its bound for the row maxima
-  (softmax.h's BlockBound) while the diagonal's reduce them; causal, with grouped heads, over
-  several key blocks, in each dtype."""
+  short series, and in bfloat16 every block, the diagonal's too, takes the floor of the running
+  maxima for the row maxima (LogitSoftcap::maxima_floor, softmax.h's BlockBound); causal, with
+  grouped heads, over several key blocks, in each dtype."""
   for dtype in _config.GPU_DTYPES:
     case = Case(B=2, T=400, S=400, N=4, K=2, H=H, dtype=dtype.name, is_causal=True,
                 softcap=50.0)
@@ -436,43 +439,44 @@ def test_gpu_gemma_cap_over_unit_logits(platform, H):
     check_gradients(case, platform, through_lse=True)
 
 
-# Logits that the forward's bound on a series block (softmax.h's BlockBound, softcap.h) lies
-# far above: each key is a shared direction u plus noise, each query row +-alpha u, so that a
-# row's logits lie near +-`level` times the cap (a tenth within it) with alternating signs.
-# In a block that masks nothing a bfloat16 kernel takes the capped largest |logit| of the quad's
-# rows as their maxima: the negative rows' maxima lie about 48 (the series) and 14 (the short
-# one) below it in log2 units, their largest P near 2^-48 and 2^-14. float16 kernels reduce
-# the maxima. Key counts of whole blocks (every block bounded) and not (the last, visited
-# first, is masked by lengths).
-BOUND_LEVELS = {"short-series": 0.1, "series": 0.36}
+# Rows whose logits lie far below the running maxima that a bfloat16 forward keeps (softmax.h's
+# BlockBound, softcap.h): each key is a shared direction u plus noise, each query row +-alpha u,
+# so that a row's logits lie near +-`level` times the cap (a tenth within it) with alternating
+# signs. Under cap 50 the running maxima have a floor of about 8 in log2 units
+# (LogitSoftcap::maxima_floor), which short-series blocks take for their maxima; cap 60 allows
+# none, and there a block that masks nothing takes the capped largest |logit| of the quad's rows
+# as the maxima in either series, as the series does under cap 50. The negative rows' maxima lie
+# about 50 (the series), 15 (the short one) and, under the floor, 73 (exp form) below the
+# running maxima in log2 units. float16 kernels reduce the maxima. Key counts of whole blocks
+# (every block bounded) and not (the last, visited first, is masked by lengths).
+BOUND_LEVELS = {"short-series": 0.1, "series": 0.36, "exp": 1.5}
 
 
-@with_platform("platform,name,S",
-               [pytest.param("gpu", name, S, marks=pytest.mark.gpu, id=f"gpu-{name}-S{S}")
-                for name in BOUND_LEVELS for S in (256, 300)])
-def test_gpu_series_bound_far_above_the_rows(platform, name, S):
-  """Exact results where the forward takes a series' bound for the row maxima, with the rows'
-  true maxima far below it (BOUND_LEVELS), in each dtype."""
+@with_platform("platform,name,S,cap",
+               [pytest.param("gpu", name, S, cap, marks=pytest.mark.gpu,
+                             id=f"gpu-{name}-S{S}-cap{cap:g}")
+                for name in BOUND_LEVELS for S in (256, 300) for cap in (50.0, 60.0)])
+def test_gpu_series_bound_far_above_the_rows(platform, name, S, cap):
+  """Exact results where the forward takes a series' bound or the floor for the row maxima,
+  with the rows' true maxima far below it (BOUND_LEVELS), in each dtype."""
   level = BOUND_LEVELS[name]
-  cap = 50.0
-  for dtype in _config.GPU_DTYPES:
-    case = Case(B=2, T=200, S=S, N=2, H=128, dtype=dtype.name, softcap=cap)
-    rng = np.random.default_rng(7)
-    u = rng.standard_normal(case.H)
-    u /= np.linalg.norm(u)
-    k = u + 0.1 * rng.standard_normal((case.B, S, case.N, case.H))
-    signs = np.where(np.arange(case.T) % 2 == 0, 1.0, -1.0)[None, :, None, None]
-    alpha = level * cap * np.sqrt(case.H)
-    q = signs * alpha * u + 0.01 * rng.standard_normal((case.B, case.T, case.N, case.H))
-    inp = dataclasses.replace(make_inputs(case), q=q.astype(np_dtype(dtype.name)),
-                              k=k.astype(np_dtype(dtype.name)))
-    largest = float(np.abs(scaled_logits(case, inp)).max())
-    # Within the series' reach (half the cap, 0.14 of it for the short one), and bounded in
-    # log2 units by 40 (kBoundLog2Limit).
+  case = Case(B=2, T=200, S=S, N=2, H=128, dtype=_config.GPU_DTYPES[0].name, softcap=cap)
+  rng = np.random.default_rng(7)
+  u = rng.standard_normal(case.H)
+  u /= np.linalg.norm(u)
+  k = u + 0.1 * rng.standard_normal((case.B, S, case.N, case.H))
+  signs = np.where(np.arange(case.T) % 2 == 0, 1.0, -1.0)[None, :, None, None]
+  alpha = level * cap * np.sqrt(case.H)
+  q = signs * alpha * u + 0.01 * rng.standard_normal((case.B, case.T, case.N, case.H))
+  for typed, inp in _in_each_gpu_dtype(case, dataclasses.replace(make_inputs(case), q=q, k=k)):
+    largest = float(np.abs(scaled_logits(typed, inp)).max())
     assert _cap_form(largest, cap) == name.replace("-", " ")
-    assert cap * np.tanh(largest / cap) * np.log2(np.e) <= 40
-    check_forward(case, platform, inp=inp)
-    check_gradients(case, platform, inp=inp, through_lse=True)
+    if name != "exp":
+      # Within the series' reach (half the cap, 0.14 of it for the short one), and bounded in
+      # log2 units by 40 (kBoundLog2Limit).
+      assert cap * np.tanh(largest / cap) * np.log2(np.e) <= 40
+    check_forward(typed, platform, inp=inp)
+    check_gradients(typed, platform, inp=inp, through_lse=True)
 
 
 # --- Flax ----------------------------------------------------------------------------------------

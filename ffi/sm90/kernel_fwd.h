@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       const TileInfo info(params.problem, scheduler.coord());
       Tensor tOrO = partition_fragment_C(mma_pv, select<0, 2>(typename Traits::TileShapeQK{}));
       clear(tOrO);
-      typename Traits::Softmax softmax;
+      typename Traits::Softmax softmax(Mainloop::maxima_floor(params.mainloop));
       PipelineState last_stage;
       if (!info.empty()) {
         last_stage = Mainloop::mma(params.mainloop, params.problem, mainloop_storage, pipeline_k,

@@ -110,6 +110,17 @@ struct ForwardMainloop {
     return params;
   }
 
+  //! The floor of the running row maxima (softmax.h): the cap's (LogitSoftcap::maxima_floor),
+  //! under which the short series' blocks exponentiate, where P is bfloat16 and the cap is
+  //! applied in the softmax's exponent (no bias); else none (-inf).
+  CUTE_DEVICE static float maxima_floor(Params const& params) {
+    if constexpr (Traits::kSoftcap && !Traits::kBias && kPBoundable) {
+      return params.softcap.maxima_floor;
+    } else {
+      return -INFINITY;
+    }
+  }
+
   using PipelineBias = typename Traits::PipelineBias;
   using StateBias = cutlass::PipelineState<1>;
   static constexpr int kBiasRowsElements = cosize_v<typename Traits::SmemLayoutBiasRows>;
@@ -438,15 +449,18 @@ struct ForwardMainloop {
     // bias is added to the capped logits; otherwise the cap leaves them in log2 units. In a
     // block that masks nothing, the series' bound on the capped logits stands in for the row
     // maxima where P is bfloat16 (BlockBound: float16 would lose the exactness of P at the
-    // bound's distance from them).
+    // bound's distance from them). Where the cap gives the running maxima a floor
+    // (maxima_floor), blocks in the short series, masked or not, lie under it: they take it for
+    // their base and move no maximum.
     // This step and the next are inlined by force: under a cap with a bias, the compiler made
     // them calls, which kept S in local memory and serialised every wgmma (ptxas C7514).
+    const bool floored = maxima_floor(params) > -INFINITY;
     auto probabilities = [&](auto first, int n_block, MaskBlock cls) CUTLASS_LAMBDA_FUNC_INLINE {
       [[maybe_unused]] CappedBlock capped{CapForm::kExp, 0.f};
       if constexpr (Traits::kSoftcap && Traits::kBias) {
         params.softcap.template apply<kSoftcapReciprocalOnFma<Traits::kHeadDim>>(s);
       } else if constexpr (Traits::kSoftcap) {
-        capped = params.softcap.form(s);
+        capped = params.softcap.form(s, /*short_needs_largest=*/!floored);
         if (capped.form == CapForm::kExp) {
           params.softcap.template apply_exp_form<kSoftcapReciprocalOnFma<Traits::kHeadDim>>(s);
         }
@@ -479,6 +493,10 @@ struct ForwardMainloop {
         // maxima and once for the exponentials), and with a series the bound that may stand
         // in for the maxima. (One branch around both ran 2-4% slower on head dim 64's 192-row
         // tile, H200.)
+        if (floored && capped.form == CapForm::kShortSeries) {
+          return softmax.template exponentiate_under_floor<kFirst>(s,
+                                                                   params.softcap.short_series);
+        }
         const bool rows_visible = kPBoundable && !masked;
         auto with_logit_map = [&](auto&& step) {
           if (capped.form == CapForm::kShortSeries) {

@@ -14,7 +14,9 @@
     and increasing, the largest |product| of a quad's rows bounds their capped logits from both
     sides: in blocks that mask nothing, the forward takes that bound for the rows' maxima and
     saves their reductions (SeriesCappedLogits::bound), as long as P keeps its exactness at the
-    bound's distance from them.
+    bound's distance from them. In bfloat16, whose P has float32's exponent range, the running
+    maxima rather start at a floor that the short series' blocks lie under, masked or not
+    (LogitSoftcap::maxima_floor): those blocks need no maxima at all.
     Capped in place, logits are in log2 units (z * log2 e).
     The backward needs tanh'(x / cap) = 1 - t^2 with t = z / cap where it forms dS; rather than
     keeping a second register tile of t, it recovers t from P and the log-sum-exp:
@@ -94,7 +96,8 @@ struct SeriesCappedLogits {
 //! How a warp caps a block: the series it fits, or exp and a reciprocal.
 enum class CapForm { kShortSeries, kSeries, kExp };
 
-//! A block's form, and the largest |raw product| of the rows of the calling thread's quad.
+//! A block's form, and the largest |raw product| of the rows of the calling thread's quad (of
+//! its own elements only, where form() did not reduce it, see there).
 struct CappedBlock {
   CapForm form;
   float largest;
@@ -120,6 +123,19 @@ struct LogitSoftcap {
   SeriesCappedLogits<3> short_series;   //!< the same for products within the short one's reach
   float series_limit;                   //!< |raw product| up to which the series serves (0: never)
   float short_series_limit;             //!< the same for the short series
+  //! A floor for the forward's running row maxima (log2 units; -inf where the cap allows none),
+  //! under which blocks in the short series lie (softmax.h's exponentiate_under_floor), masked
+  //! or not: they need no reduction across the quad, no maxima and no rescaling. Their capped
+  //! logits lie below the short series' top (its value at its reach). The floor is as high as
+  //! the contract of softmax.h's BlockBound allows (a row's largest probability at least
+  //! 2^-80; a row whose logits all lie near -cap has it at floor + cap * log2 e below 1), at
+  //! most that top, and kept only where the short series' probabilities stay below
+  //! 2^kFloorExcessLog2 (far from overflowing the float32 sums and output, exact in bfloat16):
+  //! caps up to about 58 at any scale. Float16 P has no such range; the forward takes the floor
+  //! only where P is bfloat16.
+  float maxima_floor;
+  static constexpr double kFloorDistanceLog2 = 80.0;
+  static constexpr double kFloorExcessLog2 = 16.0;
 
   static LogitSoftcap make(float scale, float cap) {
     LogitSoftcap cap_constants{};
@@ -131,6 +147,14 @@ struct LogitSoftcap {
     cap_constants.short_series_limit = std::min(
         cap_constants.series_limit,
         fit(cap_constants.short_series, kShortSeriesTerms, kShortSeriesReach, scale, cap));
+    const double short_series_top =
+        double(cap) * std::tanh(double(cap_constants.short_series_limit) * scale / cap) * kLog2e;
+    const double floor =
+        std::min(short_series_top, kFloorDistanceLog2 - double(cap) * kLog2e);
+    cap_constants.maxima_floor =
+        cap_constants.short_series_limit > 0 && floor >= short_series_top - kFloorExcessLog2
+            ? float(floor)
+            : -INFINITY;
     return cap_constants;
   }
 
@@ -174,18 +198,23 @@ struct LogitSoftcap {
   //! The form in which the calling warp caps `s`: a series whose reach holds every raw product
   //! of `s` in the warp (the short one where it does), else the exp form. One form per warp and
   //! block (a uniform branch, no divergence); every thread of the warp must call it. The
-  //! limits are exclusive, so that a limit of 0 (never) excludes a block of zeros.
+  //! limits are exclusive, so that a limit of 0 (never) excludes a block of zeros. The largest
+  //! |product| of the quad's rows, for the series' bounds, is reduced across the quad only for
+  //! a series and, for the short one, only where `short_needs_largest`.
   template <class TensorS>
-  CUTE_DEVICE CappedBlock form(TensorS const& s) const {
+  CUTE_DEVICE CappedBlock form(TensorS const& s, bool short_needs_largest = true) const {
     constexpr int kSize = decltype(size(s))::value;
     // NaN products do not count here (fmaxf drops them); they stay NaN in any form.
-    const float largest = quad_allreduce(
-        chained_reduce<kSize>([&](int i) { return fabsf(s(i)); }, MaxOp{}), MaxOp{});
-    if (__all_sync(0xffffffffu, largest < short_series_limit)) {
-      return {CapForm::kShortSeries, largest};
+    const float thread_largest =
+        chained_reduce<kSize>([&](int i) { return fabsf(s(i)); }, MaxOp{});
+    if (__all_sync(0xffffffffu, thread_largest < short_series_limit)) {
+      return {CapForm::kShortSeries,
+              short_needs_largest ? quad_allreduce(thread_largest, MaxOp{}) : thread_largest};
     }
-    if (__all_sync(0xffffffffu, largest < series_limit)) return {CapForm::kSeries, largest};
-    return {CapForm::kExp, largest};
+    if (__all_sync(0xffffffffu, thread_largest < series_limit)) {
+      return {CapForm::kSeries, quad_allreduce(thread_largest, MaxOp{})};
+    }
+    return {CapForm::kExp, thread_largest};
   }
 
   //! Caps every raw product of `s` in place, to log2 units, with tanh's absolute error about

@@ -45,8 +45,8 @@ struct Log2Logits {
 //! calling thread holds (`known`; the same for the quad's four threads), saving their
 //! reductions. Exponents then lie at or below 0, and a row's largest probability is
 //! 2^-(bound - its maximum): the caller gives a bound only where that stays normal and exact
-//! in P's dtype, and only for blocks where every row has a visible key (a row of masked logits
-//! would take a finite maximum that none of its logits reaches).
+//! in P's dtype (2^-80 at the least), and only for blocks where every row has a visible key (a
+//! row of masked logits would take a finite maximum that none of its logits reaches).
 struct BlockBound {
   bool known = false;
   float log2_max = 0.f;
@@ -75,10 +75,12 @@ struct OnlineSoftmax {
   float row_max[kRows];  //!< log2 units
   float row_sum[kRows];
 
-  CUTE_DEVICE OnlineSoftmax() {
+  //! `floor_log2`: a value below which the running maxima never go (-inf: none), see
+  //! exponentiate_under_floor. A row without a visible key keeps it, with a sum of 0.
+  CUTE_DEVICE explicit OnlineSoftmax(float floor_log2 = -INFINITY) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      row_max[r] = -INFINITY;
+      row_max[r] = floor_log2;
       row_sum[r] = 0.f;
     }
   }
@@ -119,10 +121,11 @@ struct OnlineSoftmax {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       // Selects, not branches (rows differ across the warp's quads). The maximum moves on the
-      // first visible block (from -inf) and past the staleness bound; a NaN or -inf block
-      // maximum never moves it.
-      const float new_max =
-          kFirst || block_max[r] - row_max[r] > kStaleMaxLog2 ? block_max[r] : row_max[r];
+      // first block (from the floor, if above it) and past the staleness bound; a NaN or -inf
+      // block maximum never moves it.
+      const float new_max = kFirst ? fmaxf(row_max[r], block_max[r])
+                            : block_max[r] - row_max[r] > kStaleMaxLog2 ? block_max[r]
+                                                                         : row_max[r];
       const float base = new_max == -INFINITY ? 0.f : new_max;
       rescale.factor[r] = kFirst ? 1.f : fast_exp2(row_max[r] - base);  // exp2(-inf) = 0
       if constexpr (kLazyRescale) moved |= new_max != row_max[r];
@@ -140,6 +143,31 @@ struct OnlineSoftmax {
     } else {
       rescale.needed = !kFirst;
     }
+    return rescale;
+  }
+
+  //! As exponentiate, for a block whose logits (in log2 units, by `logits`) the caller knows to
+  //! lie at most a few units above the floor of the running maxima (the constructor's; finite),
+  //! so that the maxima need not move: neither the block maxima nor any rescaling is computed.
+  //! Exponents lie at most those units above 0; a row's largest probability lies no further
+  //! below 1 than the floor lies above its maximum, which the caller keeps within BlockBound's
+  //! contract. Masked rows are welcome: their terms are 0.
+  template <bool kFirst, class TensorS, class Logits>
+  CUTE_DEVICE Rescale<kRows> exponentiate_under_floor(TensorS& s, Logits const& logits) {
+    constexpr int kColumns = decltype(size<1>(s))::value;
+    Rescale<kRows> rescale;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      rescale.factor[r] = 1.f;
+      const float sum = chained_reduce<kColumns, kChains>(
+          [&](int c) {
+            s(r, c) = fast_exp2(logits.exponent(s(r, c), row_max[r]));
+            return s(r, c);
+          },
+          SumOp{});
+      row_sum[r] = kFirst ? sum : row_sum[r] + sum;
+    }
+    rescale.needed = false;
     return rescale;
   }
 
