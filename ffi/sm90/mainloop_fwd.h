@@ -455,7 +455,8 @@ struct ForwardMainloop {
     // This step and the next are inlined by force: under a cap with a bias, the compiler made
     // them calls, which kept S in local memory and serialised every wgmma (ptxas C7514).
     const bool floored = maxima_floor(params) > -INFINITY;
-    auto probabilities = [&](auto first, int n_block, MaskBlock cls) CUTLASS_LAMBDA_FUNC_INLINE {
+    auto probabilities = [&](auto first, int n_block, MaskBlock cls,
+                             bool needs_mask) CUTLASS_LAMBDA_FUNC_INLINE {
       [[maybe_unused]] CappedBlock capped{CapForm::kExp, 0.f};
       if constexpr (Traits::kSoftcap && Traits::kBias) {
         params.softcap.template apply<kSoftcapReciprocalOnFma<Traits::kHeadDim>>(s);
@@ -475,10 +476,8 @@ struct ForwardMainloop {
         }
       }
       bool masked = mask.apply_block(
-          s, visibility,
-          Range::needs_mask</*kMaskQueryTail=*/false>(problem, info.lens, info.coord.block,
-                                                      n_block),
-          info.segments, segments, info.m_start(), n_block * Traits::kBlockN);
+          s, visibility, needs_mask, info.segments, segments, info.m_start(),
+          n_block * Traits::kBlockN);
       if constexpr (Traits::kMask) {
         masked |= cls != MaskBlock::kFull;
         if (cls != MaskBlock::kFull) {
@@ -519,11 +518,18 @@ struct ForwardMainloop {
         return softmax.template exponentiate<kFirst>(s, scaled, softmax.block_maxima(s, scaled));
       }
     };
-    auto softmax_step = [&](auto first, int n_block, MaskBlock cls) CUTLASS_LAMBDA_FUNC_INLINE {
+    auto softmax_step = [&](auto first, int n_block, MaskBlock cls,
+                            bool needs_mask) CUTLASS_LAMBDA_FUNC_INLINE {
       wait_softmax_turn(warp_group);
-      const auto rescale = probabilities(first, n_block, cls);
+      const auto rescale = probabilities(first, n_block, cls, needs_mask);
       pass_softmax_turn(warp_group);
       return rescale;
+    };
+    // Whether the sequences' ends or the window cut key block n_block: decided while its S is
+    // computed, so that the test is off the softmax step's path.
+    auto block_needs_mask = [&](int n_block) {
+      return Range::needs_mask</*kMaskQueryTail=*/false>(problem, info.lens, info.coord.block,
+                                                         n_block);
     };
     auto issue_qk = [&](PipelineState const& state) {
       warpgroup_gemm</*kZeroInit=*/true, /*kWaitGroups=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), tSrS);
@@ -562,9 +568,10 @@ struct ForwardMainloop {
     issue_qk(read_state);
     pass_turn(warp_group);
     prefetch_bias(n_block);
+    bool needs_mask = block_needs_mask(n_block);
     warpgroup_wait<0>();
     release_k(read_state, n_block);
-    softmax_step(std::true_type{}, n_block, cls);
+    softmax_step(std::true_type{}, n_block, cls, needs_mask);
     convert_into(tSrS, tOrP);
     ++read_state;
 
@@ -580,9 +587,10 @@ struct ForwardMainloop {
       issue_pv(v_state);
       pass_turn(warp_group);
       prefetch_bias(n_block);
+      needs_mask = block_needs_mask(n_block);
       warpgroup_wait<1>();  // S_j complete; P V may still run
       release_k(read_state, n_block);
-      const auto rescale = softmax_step(std::false_type{}, n_block, cls);
+      const auto rescale = softmax_step(std::false_type{}, n_block, cls, needs_mask);
       warpgroup_wait<0>();  // P V complete: O may be rescaled and P overwritten
       pipeline_v.consumer_release(v_state);
       if (rescale.needed) scale_rows(o, rescale.factor);
