@@ -64,10 +64,9 @@ inline constexpr bool kSoftcapReciprocalOnFma = kHeadDim <= 64;
 template <int kTerms>
 struct SeriesCappedLogits {
   //! The largest bound, in log2 units, that may stand in for block maxima (softmax.h's
-  //! BlockBound): a row's maximum then lies at most twice this below it, the row's largest
-  //! probability 2^-80 at the least, normal and as exact as ever in bfloat16 and float32 but
-  //! not in float16 (least normal 2^-14).
-  static constexpr double kBoundLog2Limit = 40.0;
+  //! BlockBound): a row's maximum then lies at most twice this below it, as far as
+  //! BlockBound::kDistanceLog2Limit allows.
+  static constexpr double kBoundLog2Limit = BlockBound::kDistanceLog2Limit / 2;
 
   float coefficient[kTerms];  //!< P's, the constant term (about scale * log2 e) first
   //! Whether the capped logits within the reach stay within kBoundLog2Limit, so that bound may
@@ -128,13 +127,12 @@ struct LogitSoftcap {
   //! or not: they need no reduction across the quad, no maxima and no rescaling. Their capped
   //! logits lie below the short series' top (its value at its reach). The floor is as high as
   //! the contract of softmax.h's BlockBound allows (a row's largest probability at least
-  //! 2^-80; a row whose logits all lie near -cap has it at floor + cap * log2 e below 1), at
-  //! most that top, and kept only where the short series' probabilities stay below
+  //! 2^-kDistanceLog2Limit; a row whose logits all lie near -cap has it at floor + cap * log2 e
+  //! below 1), at most that top, and kept only where the short series' probabilities stay below
   //! 2^kFloorExcessLog2 (far from overflowing the float32 sums and output, exact in bfloat16):
   //! caps up to about 58 at any scale. Float16 P has no such range; the forward takes the floor
   //! only where P is bfloat16.
   float maxima_floor;
-  static constexpr double kFloorDistanceLog2 = 80.0;
   static constexpr double kFloorExcessLog2 = 16.0;
 
   static LogitSoftcap make(float scale, float cap) {
@@ -150,7 +148,7 @@ struct LogitSoftcap {
     const double short_series_top =
         double(cap) * std::tanh(double(cap_constants.short_series_limit) * scale / cap) * kLog2e;
     const double floor =
-        std::min(short_series_top, kFloorDistanceLog2 - double(cap) * kLog2e);
+        std::min(short_series_top, BlockBound::kDistanceLog2Limit - double(cap) * kLog2e);
     cap_constants.maxima_floor =
         cap_constants.short_series_limit > 0 && floor >= short_series_top - kFloorExcessLog2
             ? float(floor)

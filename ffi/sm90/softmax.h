@@ -45,9 +45,15 @@ struct Log2Logits {
 //! calling thread holds (`known`; the same for the quad's four threads), saving their
 //! reductions. Exponents then lie at or below 0, and a row's largest probability is
 //! 2^-(bound - its maximum): the caller gives a bound only where that stays normal and exact
-//! in P's dtype (2^-80 at the least), and only for blocks where every row has a visible key (a
-//! row of masked logits would take a finite maximum that none of its logits reaches).
+//! in P's dtype (2^-kDistanceLog2Limit at the least), and only for blocks where every row has a
+//! visible key (a row of masked logits would take a finite maximum that none of its logits
+//! reaches).
 struct BlockBound {
+  //! How far, in log2 units, a bound or a floor of the running maxima may lie above a row's
+  //! maximum: its largest probability stays at or above 2^-80, normal and as exact as ever in
+  //! bfloat16 and float32 but not in float16 (least normal 2^-14).
+  static constexpr double kDistanceLog2Limit = 80.0;
+
   bool known = false;
   float log2_max = 0.f;
 };
@@ -115,7 +121,6 @@ struct OnlineSoftmax {
   template <bool kFirst, class TensorS, class Logits>
   CUTE_DEVICE Rescale<kRows> exponentiate(TensorS& s, Logits const& logits,
                                           cute::array<float, kRows> const& block_max) {
-    constexpr int kColumns = decltype(size<1>(s))::value;
     Rescale<kRows> rescale;
     bool moved = false;
     CUTE_UNROLL
@@ -130,12 +135,7 @@ struct OnlineSoftmax {
       rescale.factor[r] = kFirst ? 1.f : fast_exp2(row_max[r] - base);  // exp2(-inf) = 0
       if constexpr (kLazyRescale) moved |= new_max != row_max[r];
       row_max[r] = new_max;
-      const float sum = chained_reduce<kColumns, kChains>(
-          [&](int c) {
-            s(r, c) = fast_exp2(logits.exponent(s(r, c), base));
-            return s(r, c);
-          },
-          SumOp{});
+      const float sum = exponentiate_row(s, r, logits, base);
       row_sum[r] = kFirst ? sum : fmaf(row_sum[r], rescale.factor[r], sum);
     }
     if constexpr (kLazyRescale) {
@@ -154,21 +154,28 @@ struct OnlineSoftmax {
   //! contract. Masked rows are welcome: their terms are 0.
   template <bool kFirst, class TensorS, class Logits>
   CUTE_DEVICE Rescale<kRows> exponentiate_under_floor(TensorS& s, Logits const& logits) {
-    constexpr int kColumns = decltype(size<1>(s))::value;
     Rescale<kRows> rescale;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       rescale.factor[r] = 1.f;
-      const float sum = chained_reduce<kColumns, kChains>(
-          [&](int c) {
-            s(r, c) = fast_exp2(logits.exponent(s(r, c), row_max[r]));
-            return s(r, c);
-          },
-          SumOp{});
+      const float sum = exponentiate_row(s, r, logits, row_max[r]);
       row_sum[r] = kFirst ? sum : row_sum[r] + sum;
     }
     rescale.needed = false;
     return rescale;
+  }
+
+  //! Replaces row r of `s` by exp2 of its exponents over `base` (by `logits`) and returns
+  //! their sum.
+  template <class TensorS, class Logits>
+  CUTE_DEVICE static float exponentiate_row(TensorS& s, int r, Logits const& logits, float base) {
+    constexpr int kColumns = decltype(size<1>(s))::value;
+    return chained_reduce<kColumns, kChains>(
+        [&](int c) {
+          s(r, c) = fast_exp2(logits.exponent(s(r, c), base));
+          return s(r, c);
+        },
+        SumOp{});
   }
 
   //! Final normalisation: returns 1/sum per row (0 for rows without a visible key or marked
@@ -176,7 +183,7 @@ struct OnlineSoftmax {
   //! special-function unit: the correctly rounded division and log2f take a slow-path branch
   //! each, which serialised the rows into about 700 cycles of every tile's epilogue (H200,
   //! head dim 64), with no GEMM beside them. A sum is a normal float (its largest term is at
-  //! least 2^-80, see BlockBound), where one Newton step takes rcp.approx to float rounding and
+  //! least 2^-80, BlockBound::kDistanceLog2Limit), where one Newton step takes rcp.approx to float rounding and
   //! lg2.approx errs by less than 2^-22, below the rounding of the log-sum-exp itself.
   CUTE_DEVICE cute::array<float, kRows> finalize(bool const (&dead)[kRows], float (&lse)[kRows]) {
     cute::array<float, kRows> inv_sum;
