@@ -627,6 +627,14 @@ struct BackwardMainloop {
                                 m_block * kBlockM);
         }
       }
+      // Capped without a bias, tanh' is taken from the capped logits before P replaces them:
+      // one more register tile, in place of a log2 (an SFU op), its clamp and the log-sum-exps
+      // read again per element after dP^T (the path with a bias, below).
+      [[maybe_unused]] auto slope = make_fragment_like<float>(s);
+      if constexpr (Traits::kSoftcap && !Traits::kBias) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(s); ++i) slope(i) = params.softcap.derivative_of_log2(s(i));
+      }
       const auto lse_column = column_values(storage.lse.data() + read_q.index() * kBlockM);
       const auto logits = [&] {
         if constexpr (Traits::kSoftcap) {
@@ -660,7 +668,10 @@ struct BackwardMainloop {
       CUTE_UNROLL
       for (int r = 0; r < size<0>(dp); ++r) {
         CUTE_UNROLL
-        for (int c = 0; c < kColumns; ++c) dp(r, c) = s(r, c) * (dp(r, c) - d_column[c]);
+        for (int c = 0; c < kColumns; ++c) {
+          dp(r, c) = s(r, c) * (dp(r, c) - d_column[c]);
+          if constexpr (Traits::kSoftcap && !Traits::kBias) dp(r, c) *= slope(r, c);
+        }
       }
       // dbias += dS (transposed); summed over the queries, into the key sums.
       auto add_bias_gradient = [&] {
@@ -678,27 +689,24 @@ struct BackwardMainloop {
                                  m_block * kBlockM, problem.seqlen_q);
         }
       };
-      if constexpr (Traits::kSoftcap) {
+      if constexpr (Traits::kSoftcap && Traits::kBias) {
         // The log-sum-exps are read again from shared memory (their Q stage is still held)
         // rather than kept in registers across dP^T.
         const auto lse_again = column_values(storage.lse.data() + read_q.index() * kBlockM);
-        if constexpr (Traits::kBias) {
-          // P is spent: its log2, less the bias (read again, from its tile or from L1), gives
-          // the capped logit.
-          CUTE_UNROLL
-          for (int i = 0; i < size(s); ++i) s(i) = fast_log2(s(i));
-          add_bias(tSrS, bias, m_block, -params.bias_units);
-          if (!params.dbias_in_tiles) release_bias();
-          // The bias is added after the cap: its gradient takes no tanh'. (Once the bias is
-          // read for the last time: a gradient stored through its tile overwrites it.)
-          add_bias_gradient();
-        }
+        // P is spent: its log2, less the bias (read again, from its tile or from L1), gives
+        // the capped logit.
+        CUTE_UNROLL
+        for (int i = 0; i < size(s); ++i) s(i) = fast_log2(s(i));
+        add_bias(tSrS, bias, m_block, -params.bias_units);
+        if (!params.dbias_in_tiles) release_bias();
+        // The bias is added after the cap: its gradient takes no tanh'. (Once the bias is
+        // read for the last time: a gradient stored through its tile overwrites it.)
+        add_bias_gradient();
         CUTE_UNROLL
         for (int r = 0; r < size<0>(dp); ++r) {
           CUTE_UNROLL
           for (int c = 0; c < kColumns; ++c) {
-            dp(r, c) *= Traits::kBias ? params.softcap.derivative_at(s(r, c), lse_again[c])
-                                      : params.softcap.derivative(s(r, c), lse_again[c]);
+            dp(r, c) *= params.softcap.derivative_at(s(r, c), lse_again[c]);
           }
         }
       }

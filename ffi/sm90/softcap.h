@@ -18,11 +18,11 @@
     maxima rather start at a floor that the short series' blocks lie under, masked or not
     (LogitSoftcap::maxima_floor): those blocks need no maxima at all.
     Capped in place, logits are in log2 units (z * log2 e).
-    The backward needs tanh'(x / cap) = 1 - t^2 with t = z / cap where it forms dS; rather than
-    keeping a second register tile of t, it recovers t from P and the log-sum-exp:
-    log2 P = z * log2 e - lse * log2 e, and where a bias b was added to the capped logits,
-    log2 P = (z + b) * log2 e - lse * log2 e, so the bias is read again and taken out. A mask
-    array keeps it: masked logits have P = 0, where the factor is clamped to 0.
+    The backward needs tanh'(x / cap) = 1 - t^2 with t = z / cap where it forms dS. Without a
+    bias it takes the factor from the capped logits before P replaces them (a register tile of
+    factors). With a bias, whose capped kernels spill already, it recovers t from P and the
+    log-sum-exp: log2 P = (z + b) * log2 e - lse * log2 e, so the bias b is read again and taken
+    out. Masked logits give a factor of 0 either way.
 */
 #pragma once
 
@@ -117,7 +117,7 @@ struct LogitSoftcap {
   float exp2_per_raw;
   float two_from_tanh;                  //!< 2 * cap * log2 e
   float from_tanh;                      //!< cap * log2 e: tanh -> capped logit in log2 units
-  float tanh_per_log2;                  //!< 1 / (cap * log2 e): t from log2 P + lse * log2 e
+  float tanh_per_log2;                  //!< 1 / (cap * log2 e): a capped logit in log2 units -> t
   SeriesCappedLogits<5> series;         //!< the map of a warp whose products fit the series
   SeriesCappedLogits<3> short_series;   //!< the same for products within the short one's reach
   float series_limit;                   //!< |raw product| up to which the series serves (0: never)
@@ -241,7 +241,7 @@ struct LogitSoftcap {
   //! the warp must call it.
   template <bool kReciprocalOnFma, class TensorS>
   CUTE_DEVICE void apply(TensorS& s) const {
-    const CapForm cap_form = form(s).form;
+    const CapForm cap_form = form(s, /*short_needs_largest=*/false).form;
     if (cap_form == CapForm::kShortSeries) {
       CUTE_UNROLL
       for (int i = 0; i < size(s); ++i) s(i) = short_series.log2(s(i));
@@ -253,13 +253,15 @@ struct LogitSoftcap {
     }
   }
 
-  //! 1 - t^2 for an element whose probability is p, in a row of log-sum-exp lse_log2 (base 2).
-  //! Where p is 0 (masked, underflowed, or a row with no visible key, lse_log2 = +inf) t is
-  //! clamped to -1, so the factor is 0 and never NaN; dS is 0 there anyway.
-  CUTE_DEVICE float derivative(float p, float lse_log2) const {
-    return derivative_at(fast_log2(p), lse_log2);
+  //! 1 - t^2 for a capped logit in log2 units (z * log2 e, t = z / cap). Clamped at 0, so a
+  //! masked -inf gives 0 and never NaN (its P is 0, and dS with it).
+  CUTE_DEVICE float derivative_of_log2(float z_log2) const {
+    const float t = z_log2 * tanh_per_log2;
+    return fmaxf(fmaf(-t, t, 1.f), 0.f);
   }
-  //! The same from log2 P less the bias, where one was added to the capped logits.
+  //! 1 - t^2 for an element whose log2 P less the bias is log2_p, in a row of log-sum-exp
+  //! lse_log2 (base 2). Where P is 0 (masked, underflowed, or a row with no visible key,
+  //! lse_log2 = +inf) t is clamped to -1, so the factor is 0 and never NaN; dS is 0 there.
   CUTE_DEVICE float derivative_at(float log2_p, float lse_log2) const {
     float t = (log2_p + lse_log2) * tanh_per_log2;
     t = fminf(fmaxf(t, -1.f), 1.f);  // fmaxf(NaN, -1) = -1

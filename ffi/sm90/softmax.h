@@ -183,8 +183,9 @@ struct OnlineSoftmax {
   //! special-function unit: the correctly rounded division and log2f take a slow-path branch
   //! each, which serialised the rows into about 700 cycles of every tile's epilogue (H200,
   //! head dim 64), with no GEMM beside them. A sum is a normal float (its largest term is at
-  //! least 2^-80, BlockBound::kDistanceLog2Limit), where one Newton step takes rcp.approx to float rounding and
-  //! lg2.approx errs by less than 2^-22, below the rounding of the log-sum-exp itself.
+  //! least 2^-80, BlockBound::kDistanceLog2Limit), where one Newton step takes rcp.approx to
+  //! float rounding and lg2.approx errs by less than 2^-22, below the rounding of the
+  //! log-sum-exp itself.
   CUTE_DEVICE cute::array<float, kRows> finalize(bool const (&dead)[kRows], float (&lse)[kRows]) {
     cute::array<float, kRows> inv_sum;
     CUTE_UNROLL
