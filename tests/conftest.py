@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import os
 
+# pytest-xdist workers share a GPU: each takes memory as it needs it, where XLA would claim 75%
+# of it for the first worker. Set before jax initialises a backend.
+if "PYTEST_XDIST_WORKER" in os.environ:
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import jax
 import pytest
 

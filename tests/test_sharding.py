@@ -1,12 +1,12 @@
 """Multi-device partitioning: sharded calls equal the single-device call and communicate only
 where the mathematics requires it.
 
-jax fixes its device count when it initialises, so the multi-device checks run in a child
-pytest process: `test_cpu_devices` starts one with 8 host CPU devices
-(--xla_force_host_platform_device_count=8), and the gpu-marked `test_gpu_devices` one on the
-machine's GPUs (at least 2). The child process collects the `check_*` tests of this file (they
-exist only there, selected by JAX_FLASH_SHARDING_CHILD) and runs them on the devices of its
-platform.
+jax fixes its device count when it initialises, so the multi-device checks run in child
+pytest processes: `test_cpu_devices` starts them with 8 host CPU devices
+(--xla_force_host_platform_device_count=8), and the gpu-marked `test_gpu_devices` on the
+machine's GPUs (at least 2). A child process collects the `check_*` tests of this file (they
+exist only there, selected by JAX_FLASH_SHARDING_CHILD) and runs one group of them
+(CHECK_GROUPS) on the devices of its platform.
 
 Each check compares the sharded forward (output and log-sum-exp) and backward (gradients of
 query, key, value and bias for given output and lse cotangents) with the same computation on
@@ -29,7 +29,22 @@ CPU_DEVICES = 8
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-def _run_child(platform: str, extra_env: dict) -> None:
+# The checks in groups (pytest -k expressions), a child process each, so that pytest-xdist
+# workers share them out: all of them in one child took a third of the CPU suite's time. The
+# last group takes every check the others leave, so each check runs exactly once.
+_NAMED_CHECK_GROUPS = {
+    "sharded": "check_sharded_equals_single_device",
+    "ring-shard-map": "check_ring_attention_equals_single_device and shard_map",
+    "ring-jit": "check_ring_attention_equals_single_device and jit",
+}
+CHECK_GROUPS = {
+    **{name: f"check_ and ({expr})" for name, expr in _NAMED_CHECK_GROUPS.items()},
+    "other": "check_ and not ({})".format(
+        " or ".join(f"({expr})" for expr in _NAMED_CHECK_GROUPS.values())),
+}
+
+
+def _run_child(platform: str, group: str, extra_env: dict) -> None:
   env = dict(os.environ)
   env.update(extra_env)
   env[CHILD_ENV] = platform
@@ -37,23 +52,27 @@ def _run_child(platform: str, extra_env: dict) -> None:
   # The child runs from the tests directory: the conftest and helpers are found, and the
   # installed jax_flash (with its extension) is imported rather than a source tree.
   cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-         str(pathlib.Path(__file__).name), "-k", "check_"]
+         str(pathlib.Path(__file__).name), "-k", CHECK_GROUPS[group]]
   proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
   if proc.returncode != 0:
-    pytest.fail(f"multi-device checks failed on {platform} (exit {proc.returncode}):\n"
-                f"{proc.stdout[-12000:]}\n{proc.stderr[-4000:]}", pytrace=False)
+    # Exit status 5 (no test collected) fails too: a group that selects nothing is a mistake.
+    pytest.fail(f"multi-device checks '{group}' failed on {platform} (exit "
+                f"{proc.returncode}):\n{proc.stdout[-12000:]}\n{proc.stderr[-4000:]}",
+                pytrace=False)
 
 
 if CHILD is None:
 
-  def test_cpu_devices():
+  @pytest.mark.parametrize("group", CHECK_GROUPS)
+  def test_cpu_devices(group):
     flags = os.environ.get("XLA_FLAGS", "")
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", flags)
-    _run_child("cpu", {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count="
-                                    f"{CPU_DEVICES}".strip()})
+    _run_child("cpu", group, {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count="
+                                           f"{CPU_DEVICES}".strip()})
 
   @pytest.mark.gpu
-  def test_gpu_devices():
+  @pytest.mark.parametrize("group", CHECK_GROUPS)
+  def test_gpu_devices(group):
     import jax
 
     from conftest import require_gpu
@@ -61,7 +80,7 @@ if CHILD is None:
     require_gpu()
     if len(jax.devices("gpu")) < 2:
       pytest.skip(f"needs 2 GPUs, found {len(jax.devices('gpu'))}")
-    _run_child("gpu", {})
+    _run_child("gpu", group, {})
 
 else:
   # --- the multi-device checks (child process only) --------------------------------------------
