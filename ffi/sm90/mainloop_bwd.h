@@ -64,6 +64,19 @@ struct BackwardMainloop {
   static constexpr int kDqUnitFloats = Traits::kDqUnitFloats;
   //! Threads that meet at a dQ staging barrier: one MMA warpgroup and the reducing warp.
   static constexpr int kDqBarrierThreads = kThreadsPerWarpGroup + 32;
+  //! Where a capped step takes tanh' (softcap.h): without a bias from the capped logits before
+  //! P replaces them, into a register tile of its own; with a bias, whose capped kernels spill
+  //! already, from P and the log-sum-exp after dP^T.
+  static constexpr bool kSlopeFromLogits = Traits::kSoftcap && !Traits::kBias;
+  static constexpr bool kSlopeFromP = Traits::kSoftcap && Traits::kBias;
+  //! With kSlopeFromLogits, whether that tile holds P^T * tanh', formed with the exponentials,
+  //! in place of tanh' until dS^T: it is then not held beside P^T across dP^T's wait. Where
+  //! S^T has 64 elements per thread (head dim 64's 128 x 128 block), the factors held across
+  //! the wait made ptxas spill (112 bytes stored, 252 with a mask array; with the product 16
+  //! and 68) and the product ran 4-8% faster forward+backward; with 32 (head dim 128) neither
+  //! spills and it ran 1% slower (H200, bf16, T = 1024 and 4096, cap 50).
+  static constexpr bool kSlopeTimesP =
+      kSlopeFromLogits && kBlockM * kBlockN / kNumMmaThreads >= 64;
 
   struct Arguments {
     typename Traits::GmemTensorSeq q, k, v, dout;
@@ -627,11 +640,10 @@ struct BackwardMainloop {
                                 m_block * kBlockM);
         }
       }
-      // Capped without a bias, tanh' is taken from the capped logits before P replaces them:
-      // one more register tile, in place of a log2 (an SFU op), its clamp and the log-sum-exps
-      // read again per element after dP^T (the path with a bias, below).
+      // kSlopeFromLogits: one more register tile, in place of a log2 (an SFU op) and the
+      // log-sum-exps read again per element after dP^T (kSlopeFromP, below).
       [[maybe_unused]] auto slope = make_fragment_like<float>(s);
-      if constexpr (Traits::kSoftcap && !Traits::kBias) {
+      if constexpr (kSlopeFromLogits && !kSlopeTimesP) {
         CUTE_UNROLL
         for (int i = 0; i < size(s); ++i) slope(i) = params.softcap.derivative_of_log2(s(i));
       }
@@ -646,7 +658,13 @@ struct BackwardMainloop {
       CUTE_UNROLL
       for (int r = 0; r < size<0>(s); ++r) {
         CUTE_UNROLL
-        for (int c = 0; c < kColumns; ++c) s(r, c) = fast_exp2(logits.exponent(s(r, c), lse_column[c]));
+        for (int c = 0; c < kColumns; ++c) {
+          const float logit = s(r, c);
+          s(r, c) = fast_exp2(logits.exponent(logit, lse_column[c]));
+          if constexpr (kSlopeTimesP) {
+            slope(r, c) = s(r, c) * params.softcap.derivative_of_log2(logit);
+          }
+        }
       }
       // P^T in the input type: the A operand of dV, from registers or through shared memory.
       Tensor tdVrP = make_tensor<Element>(accumulator_as_a_operand(tSrS.layout()));
@@ -669,8 +687,12 @@ struct BackwardMainloop {
       for (int r = 0; r < size<0>(dp); ++r) {
         CUTE_UNROLL
         for (int c = 0; c < kColumns; ++c) {
-          dp(r, c) = s(r, c) * (dp(r, c) - d_column[c]);
-          if constexpr (Traits::kSoftcap && !Traits::kBias) dp(r, c) *= slope(r, c);
+          if constexpr (kSlopeTimesP) {
+            dp(r, c) = slope(r, c) * (dp(r, c) - d_column[c]);
+          } else {
+            dp(r, c) = s(r, c) * (dp(r, c) - d_column[c]);
+            if constexpr (kSlopeFromLogits) dp(r, c) *= slope(r, c);
+          }
         }
       }
       // dbias += dS (transposed); summed over the queries, into the key sums.
@@ -689,7 +711,7 @@ struct BackwardMainloop {
                                  m_block * kBlockM, problem.seqlen_q);
         }
       };
-      if constexpr (Traits::kSoftcap && Traits::kBias) {
+      if constexpr (kSlopeFromP) {
         // The log-sum-exps are read again from shared memory (their Q stage is still held)
         // rather than kept in registers across dP^T.
         const auto lse_again = column_values(storage.lse.data() + read_q.index() * kBlockM);

@@ -20,9 +20,10 @@
     Capped in place, logits are in log2 units (z * log2 e).
     The backward needs tanh'(x / cap) = 1 - t^2 with t = z / cap where it forms dS. Without a
     bias it takes the factor from the capped logits before P replaces them (a register tile of
-    factors). With a bias, whose capped kernels spill already, it recovers t from P and the
-    log-sum-exp: log2 P = (z + b) * log2 e - lse * log2 e, so the bias b is read again and taken
-    out. Masked logits give a factor of 0 either way.
+    factors, or of P times them: mainloop_bwd.h's kSlopeTimesP). With a bias, whose capped
+    kernels spill already, it recovers t from P and the log-sum-exp: log2 P = (z + b) * log2 e -
+    lse * log2 e, so the bias b is read again and taken out. Masked logits give a factor of 0
+    either way.
 */
 #pragma once
 
@@ -254,18 +255,17 @@ struct LogitSoftcap {
   }
 
   //! 1 - t^2 for a capped logit in log2 units (z * log2 e, t = z / cap). Clamped at 0, so a
-  //! masked -inf gives 0 and never NaN (its P is 0, and dS with it).
+  //! masked -inf, a NaN and a |t| rounded past 1 give 0 (fmaxf drops the NaN), never NaN (its
+  //! P is 0, and dS with it).
   CUTE_DEVICE float derivative_of_log2(float z_log2) const {
     const float t = z_log2 * tanh_per_log2;
     return fmaxf(fmaf(-t, t, 1.f), 0.f);
   }
   //! 1 - t^2 for an element whose log2 P less the bias is log2_p, in a row of log-sum-exp
-  //! lse_log2 (base 2). Where P is 0 (masked, underflowed, or a row with no visible key,
-  //! lse_log2 = +inf) t is clamped to -1, so the factor is 0 and never NaN; dS is 0 there.
+  //! lse_log2 (base 2): its capped logit is their sum. Where P is 0 (masked, underflowed, or a
+  //! row with no visible key, lse_log2 = +inf) that sum is -inf or NaN, and the factor 0.
   CUTE_DEVICE float derivative_at(float log2_p, float lse_log2) const {
-    float t = (log2_p + lse_log2) * tanh_per_log2;
-    t = fminf(fmaxf(t, -1.f), 1.f);  // fmaxf(NaN, -1) = -1
-    return fmaf(-t, t, 1.f);
+    return derivative_of_log2(log2_p + lse_log2);
   }
 };
 
