@@ -122,6 +122,14 @@ struct BlockMask {
     }
   }
 
+  //! Whether segment ids cut the block whose first column is col_start: unless `reach` says
+  //! that every column of it (up to the visible ones) shares every row's segment.
+  template <class Reach>
+  CUTE_DEVICE static bool cuts_by_segments(RowVisibility const& vis, Reach const& reach,
+                                           int col_start) {
+    return !reach.every_covers(col_start, min(col_start + kCols, vis.col_limit));
+  }
+
   //! Masks one block, whose first row and column are row_start and col_start: by lengths and
   //! windows where `cut_by_window` (BlockRange::needs_mask), and by segment ids unless `reach`
   //! (a SegmentReach over the rows, or NoSegmentReach) says that every column of the block
@@ -131,8 +139,7 @@ struct BlockMask {
   CUTE_DEVICE bool apply_block(TensorS& s, RowVisibility const& vis, bool cut_by_window,
                                Reach const& reach, SegmentAxes<kRowsAreKeys> const& segments,
                                int row_start, int col_start) const {
-    const bool cut_by_segments =
-        !reach.every_covers(col_start, min(col_start + kCols, vis.col_limit));
+    const bool cut_by_segments = cuts_by_segments(vis, reach, col_start);
     if (!cut_by_segments && !cut_by_window) return false;
     apply(s, vis, row_start, col_start,
           cut_by_segments && reach.exact ? segments.row_spans() : nullptr);
