@@ -110,13 +110,11 @@ struct ForwardMainloop {
     return params;
   }
 
-  //! Whether the running row maxima may have a floor: where P is bfloat16 and the cap is applied
-  //! in the softmax's exponent (no bias).
-  static constexpr bool kMaximaFloor = Traits::kSoftcap && !Traits::kBias && kPBoundable;
   //! The floor of the running row maxima (softmax.h): the cap's (LogitSoftcap::maxima_floor),
-  //! under which the short series' blocks exponentiate, where kMaximaFloor; else none (-inf).
+  //! under which the short series' blocks exponentiate, where P is bfloat16 and the cap is
+  //! applied in the softmax's exponent (no bias); else none (-inf).
   CUTE_DEVICE static float maxima_floor(Params const& params) {
-    if constexpr (kMaximaFloor) {
+    if constexpr (Traits::kSoftcap && !Traits::kBias && kPBoundable) {
       return params.softcap.maxima_floor;
     } else {
       return -INFINITY;
@@ -456,15 +454,14 @@ struct ForwardMainloop {
     // their base and move no maximum.
     // This step and the next are inlined by force: under a cap with a bias, the compiler made
     // them calls, which kept S in local memory and serialised every wgmma (ptxas C7514).
-    // `largest`: capped_thread_largest() of the block (the cap's form test, taken once).
     const bool floored = maxima_floor(params) > -INFINITY;
-    auto probabilities = [&](auto first, int n_block, MaskBlock cls, bool needs_mask,
-                             [[maybe_unused]] float largest) CUTLASS_LAMBDA_FUNC_INLINE {
+    auto probabilities = [&](auto first, int n_block, MaskBlock cls,
+                             bool needs_mask) CUTLASS_LAMBDA_FUNC_INLINE {
       [[maybe_unused]] CappedBlock capped{CapForm::kExp, 0.f};
       if constexpr (Traits::kSoftcap && Traits::kBias) {
         params.softcap.template apply<kSoftcapReciprocalOnFma<Traits::kHeadDim>>(s);
       } else if constexpr (Traits::kSoftcap) {
-        capped = params.softcap.form(largest, /*short_needs_largest=*/!floored);
+        capped = params.softcap.form(s, /*short_needs_largest=*/!floored);
         // A block under the floor that nothing masks goes straight to its exponentials, ahead
         // of the other forms' and the masking's code: the hot loop's path then jumps less
         // (instruction fetch stalled 8% of the capped forward's warp samples; this ran 1-4%
@@ -532,20 +529,12 @@ struct ForwardMainloop {
         return softmax.template exponentiate<kFirst>(s, scaled, softmax.block_maxima(s, scaled));
       }
     };
-    auto softmax_step = [&](auto first, int n_block, MaskBlock cls, bool needs_mask,
-                            float largest) CUTLASS_LAMBDA_FUNC_INLINE {
+    auto softmax_step = [&](auto first, int n_block, MaskBlock cls,
+                            bool needs_mask) CUTLASS_LAMBDA_FUNC_INLINE {
       wait_softmax_turn(warp_group);
-      const auto rescale = probabilities(first, n_block, cls, needs_mask, largest);
+      const auto rescale = probabilities(first, n_block, cls, needs_mask);
       pass_softmax_turn(warp_group);
       return rescale;
-    };
-    // The largest |raw product| of the thread's S, where the cap's form test takes it there.
-    auto capped_thread_largest = [&] {
-      if constexpr (Traits::kSoftcap && !Traits::kBias) {
-        return LogitSoftcap::thread_largest(s);
-      } else {
-        return 0.f;
-      }
     };
     // Whether the sequences' ends or the window cut key block n_block: decided while its S is
     // computed, so that the test is off the softmax step's path.
@@ -593,7 +582,7 @@ struct ForwardMainloop {
     bool needs_mask = block_needs_mask(n_block);
     warpgroup_wait<0>();
     release_k(read_state, n_block);
-    softmax_step(std::true_type{}, n_block, cls, needs_mask, capped_thread_largest());
+    softmax_step(std::true_type{}, n_block, cls, needs_mask);
     convert_into(tSrS, tOrP);
     ++read_state;
 
@@ -612,8 +601,7 @@ struct ForwardMainloop {
       needs_mask = block_needs_mask(n_block);
       warpgroup_wait<1>();  // S_j complete; P V may still run
       release_k(read_state, n_block);
-      const auto rescale =
-          softmax_step(std::false_type{}, n_block, cls, needs_mask, capped_thread_largest());
+      const auto rescale = softmax_step(std::false_type{}, n_block, cls, needs_mask);
       warpgroup_wait<0>();  // P V complete: O may be rescaled and P overwritten
       pipeline_v.consumer_release(v_state);
       if (rescale.needed) scale_rows(o, rescale.factor);

@@ -194,33 +194,26 @@ struct LogitSoftcap {
     return usable ? float(reach / std::abs(y_per_raw)) : 0.f;
   }
 
-  //! The largest |raw product| among the calling thread's elements of `s`. NaN products do not
-  //! count (fmaxf drops them); they stay NaN in any form.
-  template <class TensorS>
-  CUTE_DEVICE static float thread_largest(TensorS const& s) {
-    constexpr int kSize = decltype(size(s))::value;
-    return chained_reduce<kSize>([&](int i) { return fabsf(s(i)); }, MaxOp{});
-  }
-
-  //! Whether the short series holds products up to `largest` (thread_largest). The limits are
-  //! exclusive, so that a limit of 0 (never) excludes a block of zeros.
-  CUTE_DEVICE bool in_short_reach(float largest) const { return largest < short_series_limit; }
-
-  //! The form in which the calling warp caps a block whose products in the calling thread
-  //! reach `largest` (thread_largest): a series whose reach holds every raw product of the
-  //! block in the warp (the short one where it does), else the exp form. One form per warp and
+  //! The form in which the calling warp caps `s`: a series whose reach holds every raw product
+  //! of `s` in the warp (the short one where it does), else the exp form. One form per warp and
   //! block (a uniform branch, no divergence); every thread of the warp must call it. The
-  //! largest |product| of the quad's rows, for the series' bounds, is reduced across the quad
-  //! only for a series and, for the short one, only where `short_needs_largest`.
-  CUTE_DEVICE CappedBlock form(float largest, bool short_needs_largest = true) const {
-    if (__all_sync(0xffffffffu, in_short_reach(largest))) {
+  //! limits are exclusive, so that a limit of 0 (never) excludes a block of zeros. The largest
+  //! |product| of the quad's rows, for the series' bounds, is reduced across the quad only for
+  //! a series and, for the short one, only where `short_needs_largest`.
+  template <class TensorS>
+  CUTE_DEVICE CappedBlock form(TensorS const& s, bool short_needs_largest = true) const {
+    constexpr int kSize = decltype(size(s))::value;
+    // NaN products do not count here (fmaxf drops them); they stay NaN in any form.
+    const float thread_largest =
+        chained_reduce<kSize>([&](int i) { return fabsf(s(i)); }, MaxOp{});
+    if (__all_sync(0xffffffffu, thread_largest < short_series_limit)) {
       return {CapForm::kShortSeries,
-              short_needs_largest ? quad_allreduce(largest, MaxOp{}) : largest};
+              short_needs_largest ? quad_allreduce(thread_largest, MaxOp{}) : thread_largest};
     }
-    if (__all_sync(0xffffffffu, largest < series_limit)) {
-      return {CapForm::kSeries, quad_allreduce(largest, MaxOp{})};
+    if (__all_sync(0xffffffffu, thread_largest < series_limit)) {
+      return {CapForm::kSeries, quad_allreduce(thread_largest, MaxOp{})};
     }
-    return {CapForm::kExp, largest};
+    return {CapForm::kExp, thread_largest};
   }
 
   //! Caps every raw product of `s` in place, to log2 units, with tanh's absolute error about
@@ -249,7 +242,7 @@ struct LogitSoftcap {
   //! the warp must call it.
   template <bool kReciprocalOnFma, class TensorS>
   CUTE_DEVICE void apply(TensorS& s) const {
-    const CapForm cap_form = form(thread_largest(s), /*short_needs_largest=*/false).form;
+    const CapForm cap_form = form(s, /*short_needs_largest=*/false).form;
     if (cap_form == CapForm::kShortSeries) {
       CUTE_UNROLL
       for (int i = 0; i < size(s); ++i) s(i) = short_series.log2(s(i));
