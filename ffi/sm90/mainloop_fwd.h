@@ -457,6 +457,7 @@ struct ForwardMainloop {
     const bool floored = maxima_floor(params) > -INFINITY;
     auto probabilities = [&](auto first, int n_block, MaskBlock cls,
                              bool needs_mask) CUTLASS_LAMBDA_FUNC_INLINE {
+      constexpr bool kFirst = decltype(first)::value;
       [[maybe_unused]] CappedBlock capped{CapForm::kExp, 0.f};
       if constexpr (Traits::kSoftcap && Traits::kBias) {
         params.softcap.template apply<kSoftcapReciprocalOnFma<Traits::kHeadDim>>(s);
@@ -466,7 +467,6 @@ struct ForwardMainloop {
         // of the other forms' and the masking's code: the hot loop's path then jumps less
         // (instruction fetch stalled 8% of the capped forward's warp samples; this ran 1-4%
         // faster at head dims 64 and 128, H200).
-        constexpr bool kFirst = decltype(first)::value;
         if (floored && capped.form == CapForm::kShortSeries && !needs_mask &&
             cls == MaskBlock::kFull &&
             !mask.cuts_by_segments(visibility, info.segments, n_block * Traits::kBlockN)) {
@@ -497,7 +497,6 @@ struct ForwardMainloop {
                                 n_block * Traits::kBlockN);
         }
       }
-      constexpr bool kFirst = decltype(first)::value;
       if constexpr (Traits::kSoftcap) {
         // Each warp's cap form picks its logit map (a warp-uniform branch, taken once for the
         // maxima and once for the exponentials), and with a series the bound that may stand
