@@ -1,6 +1,7 @@
 """FA3 with its soft cap (the patched attribute) against jax_flash's, forward and gradients."""
 import os
-import jax, jax.numpy as jnp, numpy as np
+import jax
+import jax.numpy as jnp
 import jax_flash
 from flash_attn3_jax import flash_mha
 
@@ -22,8 +23,9 @@ for q_scale in (1.0, 30.0):
       o, vjp = jax.vjp(f, q, k, v)
       return (o,) + vjp(do)
     r3, rj, ru = (fwd_bwd(f) for f in (f3, fj, fu))
-    diffs = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))) for a, b in zip(r3, rj)]
-    capped_vs_uncapped = float(jnp.max(jnp.abs(rj[0].astype(jnp.float32) - ru[0].astype(jnp.float32))))
-    scale = [float(jnp.max(jnp.abs(b.astype(jnp.float32)))) for b in rj]
+    largest = lambda x: float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+    diffs = [largest(a.astype(jnp.float32) - b.astype(jnp.float32)) for a, b in zip(r3, rj)]
+    capped_vs_uncapped = largest(rj[0].astype(jnp.float32) - ru[0].astype(jnp.float32))
+    scale = [largest(b) for b in rj]
     print(f"q_scale {q_scale} causal {causal}: |fa3 - jax_flash| out/dq/dk/dv {diffs}  "
           f"(max |jax_flash| {scale}); |capped - uncapped| out {capped_vs_uncapped}")
