@@ -40,6 +40,8 @@ class Sm90ForwardTile:
   # The consumer warpgroups take turns at the softmax (tiles of two warpgroups, kernels without
   # soft-capping; kernel only).
   softmax_turns: bool = False
+  # The consumers take every key block through one loop body (kernel only).
+  one_loop_body: bool = False
 
   @property
   def is_default(self) -> bool:

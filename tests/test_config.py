@@ -29,7 +29,8 @@ def test_capabilities_agree_with_the_table():
   assert caps["gpu"]["tiles"] == [
       dict(head_dim=t.head_dim, block_m=t.block_m, block_n=t.block_n, stages=t.stages,
            prefer_causal_up_to=t.prefer_causal_up_to, prefer_segment_ids=t.prefer_segment_ids,
-           prefer_rows_up_to=t.prefer_rows_up_to, arrays=t.arrays, softmax_turns=t.softmax_turns)
+           prefer_rows_up_to=t.prefer_rows_up_to, arrays=t.arrays, softmax_turns=t.softmax_turns,
+           one_loop_body=t.one_loop_body)
       for t in _config.SM90_FORWARD_TILES]
   assert [t["head_dim"] for t in caps["gpu"]["backward_tiles"]] == list(_config.GPU_HEAD_DIMS)
   assert caps["gpu"]["kernel_features"] == {

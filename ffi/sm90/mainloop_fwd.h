@@ -9,11 +9,12 @@
            with ldmatrix; another is read from global memory in pairs of keys.
 
     Consumers overlap within a warpgroup: while the softmax of key block j runs, the wgmma of
-    P_{j+1} V_{j+1} (issued just before) proceeds on the tensor cores. Across warpgroups they
-    take turns issuing their GEMMs (named barriers), so one warpgroup's softmax overlaps the
-    other's GEMMs; on tiles with softmax_turns (kernel_configs.json) they also take turns at
-    the softmax, so their exponentials do not contend for the special-function unit. Key
-    blocks are visited from the last to the first, so the blocks that need per-element
+    P_{j+1} V_{j+1} (issued just before) proceeds on the tensor cores (on tiles with
+    one_loop_body, P_j V_j runs while the next block's K is awaited instead). Across
+    warpgroups they take turns issuing their GEMMs (named barriers), so one warpgroup's softmax
+    overlaps the other's GEMMs; on tiles with softmax_turns (kernel_configs.json) they also
+    take turns at the softmax, so their exponentials do not contend for the special-function
+    unit. Key blocks are visited from the last to the first, so the blocks that need per-element
     masking (the sequence tail and the causal diagonal) come first.
 */
 #pragma once
@@ -566,6 +567,39 @@ struct ForwardMainloop {
     };
 
     storage.q_full.wait(q_phase);
+
+    if constexpr (Traits::kOneLoopBody) {
+      // S_j, its softmax step, then P_j V_j issued behind it; the next block's S waits for
+      // both. The first block takes the same step: its rescale multiplies a zero O.
+      int n_block = info.keys.end - 1;
+      MaskBlock cls = info.key_block_class(problem, n_block);
+      PipelineState v_state = read_state;
+      for (bool first = true; n_block >= info.keys.begin; first = false) {
+        const MaskBlock below = info.class_below(problem, n_block);
+        pipeline_k.consumer_wait(read_state);
+        wait_turn(warp_group);
+        issue_qk(read_state);
+        pass_turn(warp_group);
+        prefetch_bias(n_block);
+        const bool needs_mask = block_needs_mask(n_block);
+        warpgroup_wait<0>();  // S_j and P_{j-1} V_{j-1} complete
+        release_k(read_state, n_block);
+        if (!first) pipeline_v.consumer_release(v_state);
+        const auto rescale = softmax_step(std::false_type{}, n_block, cls, needs_mask);
+        if (rescale.needed) scale_rows(o, rescale.factor);
+        convert_into(tSrS, tOrP);
+        pipeline_v.consumer_wait(read_state);
+        wait_turn(warp_group);
+        issue_pv(read_state);
+        pass_turn(warp_group);
+        v_state = read_state;
+        ++read_state;
+        info.step_down(problem, n_block, cls, below);
+      }
+      warpgroup_wait<0>();
+      if constexpr (Traits::kOwnOutputTiles) pipeline_v.consumer_release(v_state);
+      return v_state;
+    }
 
     // First (last-visited) key block: S and its softmax step without history. The classes
     // of the next block down are read a block ahead, so that skipping empty blocks does not
