@@ -120,14 +120,37 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   auto pipeline_bias = make_pipelines<PipelineBias>(
       mainloop_storage.pipeline_bias, bias_pipeline_params,
       std::make_index_sequence<Traits::kNumConsumerWarpGroups>{});
-  __syncthreads();  // barrier initialisation visible to every thread
-
+  // Barrier initialisation visible to every thread. The loader's warp only arrives, then issues
+  // its first tile's Q and first K/V block at once while the other warps go on: through the
+  // producer's own code (past the consumers', cold in the instruction and constant caches) a
+  // decoding CTA reached its first load 1.3 us after it started, of about 6 (H200), and its
+  // consumers waited for the data. With segment ids or a mask array the warp builds the
+  // TileInfo (a warp collective).
   StaticPersistentScheduler scheduler(params.scheduler);
+  constexpr bool kWarpBuildsTileInfo = Traits::kSegments || Traits::kBlockClasses;
+  PipelineState write_state = cutlass::make_producer_start_state<PipelineKV>();
+  bool first_block_loaded = false;
+  if (threadIdx.x < 32) {
+    prologue_barrier_arrive(Traits::kNumThreads);
+    if (scheduler.valid()) {
+      const TileInfo info(params.problem, scheduler.coord());
+      if (!info.empty()) {
+        if (threadIdx.x == 0) {
+          Mainloop::load(params.mainloop, params.problem, params.mainloop_groups,
+                         mainloop_storage, pipeline_k, pipeline_v, write_state, info,
+                         LoadBlocks::kFirst);
+        }
+        first_block_loaded = true;
+      }
+    }
+  } else {
+    prologue_barrier_sync(Traits::kNumThreads);
+  }
+
   if (is_producer) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
     // One thread issues every TMA load; with segment ids or a mask array its whole warp builds
     // each tile's TileInfo (a warp collective).
-    constexpr bool kWarpBuildsTileInfo = Traits::kSegments || Traits::kBlockClasses;
     if (Traits::kBiasInTiles && params.mainloop.bias_in_tiles && threadIdx.x / 32 == 1) {
       // The bias loader: every tile's bias rows, on its own (its warp builds each TileInfo).
       auto write_bias = cutlass::make_producer_start_state<PipelineBias>();
@@ -153,7 +176,6 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       cute::prefetch_tma_descriptor(&params.mainloop_groups.q);
       cute::prefetch_tma_descriptor(&params.epilogue_groups.o);
     }
-    PipelineState write_state = cutlass::make_producer_start_state<PipelineKV>();
     uint32_t q_empty_phase = 1;  // the first wait on a fresh barrier passes
     for (; scheduler.valid(); scheduler.advance()) {
       const TileInfo info(params.problem, scheduler.coord());
@@ -161,7 +183,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         mainloop_storage.q_empty.wait(q_empty_phase);
         if (!info.empty()) {
           Mainloop::load(params.mainloop, params.problem, params.mainloop_groups,
-                         mainloop_storage, pipeline_k, pipeline_v, write_state, info);
+                         mainloop_storage, pipeline_k, pipeline_v, write_state, info,
+                         first_block_loaded ? LoadBlocks::kRest : LoadBlocks::kAll);
         } else {
           // Nothing to load, but the Q handshake still takes its turn: consumers that freed Q
           // for several empty tiles in a row would otherwise complete q_empty phases the
@@ -170,6 +193,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         }
       }
       q_empty_phase ^= 1;
+      first_block_loaded = false;
       if constexpr (kWarpBuildsTileInfo) __syncwarp();
     }
     if (loader) {

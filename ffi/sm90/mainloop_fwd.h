@@ -36,6 +36,10 @@ namespace jax_flash::sm90 {
 
 using namespace cute;
 
+//! Which of a tile's loads ForwardMainloop::load issues: all, Q with the first K/V block (the
+//! kernel's prologue issues them early), or the rest.
+enum class LoadBlocks { kAll, kFirst, kRest };
+
 template <class Traits>
 struct ForwardMainloop {
   using Element = typename Traits::Element;
@@ -266,11 +270,13 @@ struct ForwardMainloop {
     }
   }
 
-  //! Producer (one thread): Q of the tile and every visible K/V block, into the pipelines.
+  //! Producer (one thread): Q of the tile and every visible K/V block, into the pipelines; or
+  //! (`blocks`) Q with the first K/V block alone, or the blocks after it.
   CUTE_DEVICE static void load(Params const& params, AttentionProblem const& problem,
                                QueryGroups const& groups, SharedStorage& storage,
                                PipelineKV& pipeline_k, PipelineKV& pipeline_v,
-                               PipelineState& write_state, TileInfo const& info) {
+                               PipelineState& write_state, TileInfo const& info,
+                               LoadBlocks blocks = LoadBlocks::kAll) {
     Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutKV{});
     Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutKV{});
@@ -319,20 +325,23 @@ struct ForwardMainloop {
     // The first K block goes out before Q so both latencies overlap. The span's first and
     // last blocks are never empty.
     int n_block = info.keys.end - 1;
-    load_k(n_block);
-    storage.q_full.arrive_and_expect_tx(Traits::kQBytes);
-    // A Q tile is read by one tile (or, decoding with split keys, by one per key chunk, all
-    // at once): it need not stay in L2.
-    if (problem.query_group_shift > 0) {
-      load_query_groups(groups, problem.query_group_shift, storage, info.coord.block, head,
-                        params.q_batch(problem.batch, batch));
-    } else {
-      copy(params.tma_load_q.with(reinterpret_cast<uint64_t&>(storage.q_full), 0,
-                                  TMA::CacheHintSm90::EVICT_FIRST),
-           tQgQ, tQsQ);
+    if (blocks != LoadBlocks::kRest) {
+      load_k(n_block);
+      storage.q_full.arrive_and_expect_tx(Traits::kQBytes);
+      // A Q tile is read by one tile (or, decoding with split keys, by one per key chunk, all
+      // at once): it need not stay in L2.
+      if (problem.query_group_shift > 0) {
+        load_query_groups(groups, problem.query_group_shift, storage, info.coord.block, head,
+                          params.q_batch(problem.batch, batch));
+      } else {
+        copy(params.tma_load_q.with(reinterpret_cast<uint64_t&>(storage.q_full), 0,
+                                    TMA::CacheHintSm90::EVICT_FIRST),
+             tQgQ, tQsQ);
+      }
+      load_v(n_block);
+      ++write_state;
+      if (blocks == LoadBlocks::kFirst) return;
     }
-    load_v(n_block);
-    ++write_state;
     for (--n_block; n_block >= info.keys.begin; --n_block) {
       if (info.key_block_class(problem, n_block) == MaskBlock::kEmpty) continue;
       load_k(n_block);

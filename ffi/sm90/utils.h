@@ -152,6 +152,16 @@ CUTE_DEVICE float chained_reduce(Value&& value, Op op) {
   return chain[0];
 }
 
+//! The CTA barrier (0, __syncthreads's) split: warps that arrive go on, warps that sync wait
+//! for `threads` arrivals in all. Memory operations before either are visible to the threads
+//! that synced.
+CUTE_DEVICE void prologue_barrier_arrive(int threads) {
+  asm volatile("barrier.cta.arrive.aligned 0, %0;\n" : : "r"(threads) : "memory");
+}
+CUTE_DEVICE void prologue_barrier_sync(int threads) {
+  asm volatile("barrier.cta.sync.aligned 0, %0;\n" : : "r"(threads) : "memory");
+}
+
 //! The index of the calling thread's warp within its warpgroup, in a form the compiler knows to
 //! be warp-uniform (so code selected by it stays uniform).
 CUTE_DEVICE int warp_index_in_warp_group() {
