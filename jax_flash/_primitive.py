@@ -299,18 +299,20 @@ def _logit_array_tiles(bias, mask, tile, T, S, rows_are_keys):
 
 
 def _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, *, gpu_tile=None,
-                  query_groups=1):
+                  query_groups=1, parts=False):
   """The forward FFI call. With gpu_tile (the Hopper tile that runs the problem,
   Kernel.tile_for; the CUDA handler takes its block_m) a mask or bias travels with its operands
   for the Hopper kernels (`_mask_tiles`, `_bias_tiles`). With
   query_groups G > 1 the kernels attend q (batch..., T, N, H) as N / G heads of T*G rows (row
   t*G + g of head k: query row t of head k*G + g), which a mask or bias and the lengths then
-  describe; the results keep the call's layouts."""
+  describe; the results keep the call's layouts. With parts (a split's, `_split_kv`) the output
+  comes in the accumulation dtype, unrounded for the merge."""
   _extension.ensure_registered()
   batch = _batch_shape(q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
   T, N, _ = q.shape[-3:]
-  result_types = (jax.ShapeDtypeStruct(batch + q.shape[-3:], q.dtype),
-                  jax.ShapeDtypeStruct(batch + (N, T), _config.accumulation_dtype(q.dtype)))
+  acc = _config.accumulation_dtype(q.dtype)
+  result_types = (jax.ShapeDtypeStruct(batch + q.shape[-3:], acc if parts else q.dtype),
+                  jax.ShapeDtypeStruct(batch + (N, T), acc))
   call = jax.ffi.ffi_call(_extension.FORWARD_TARGET, result_types, vmap_method="expand_dims")
   tiles, bias_tiles = [], []
   if gpu_tile is not None:
@@ -324,16 +326,16 @@ def _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg, *, 
   return tuple(_varying.varying_like(results, *operands))
 
 
-def _forward_merge_call(out, lse, query_rows: int):
-  """`_split_kv.merge` by the CUDA handler's kernel: the chunks' out (..., P, T*G, K, H) and lse
-  (..., P, K, T*G), or in the call's layout (G = 1, K = N), -> the call's out (..., T, K*G, H)
-  and lse (..., K*G, T)."""
+def _forward_merge_call(out, lse, query_rows: int, dtype):
+  """`_split_kv.merge` by the CUDA handler's kernel: the chunks' float32 out (..., P, T*G, K, H)
+  and lse (..., P, K, T*G), or in the call's layout (G = 1, K = N), -> the call's out (..., T,
+  K*G, H) in `dtype` (16-bit) and lse (..., K*G, T)."""
   _extension.ensure_registered()
   lead, (P, TG, K, H) = out.shape[:-4], out.shape[-4:]
   T, N = query_rows, TG * K // query_rows
   items = math.prod(lead)
   call = jax.ffi.ffi_call(_extension.FORWARD_MERGE_TARGET,
-                          (jax.ShapeDtypeStruct((items, T, N, H), out.dtype),
+                          (jax.ShapeDtypeStruct((items, T, N, H), dtype),
                            jax.ShapeDtypeStruct((items, N, T), lse.dtype)))
   parts = (out.reshape(items, P, TG, K, H), lse.reshape((items,) + lse.shape[-3:]))
   merged, total = _varying.varying_like(call(*parts), *parts)
@@ -486,12 +488,12 @@ def _gpu_forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
     return _forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg,
                          gpu_tile=tile)
 
-  def call(q, k, v, bias, mask, q_len, kv_len, query_groups):
+  def call(q, k, v, bias, mask, q_len, kv_len, query_groups, parts):
     # Split problems have no window (_split_kv.plan): rows are the packed query heads'.
     tile = _config.SM90_FORWARD.tile_for(q.shape[-1], q.shape[-3] * query_groups,
                                          arrays=arrays)
     return _forward_call(config, q, k, v, bias, mask, q_len, kv_len, None, None, gpu_tile=tile,
-                         query_groups=query_groups)
+                         query_groups=query_groups, parts=parts)
 
   return _split_kv.forward(plan, call, q, k, v, bias, mask, q_len, kv_len,
                            merge_parts=_forward_merge_call, rows_in_place=True)

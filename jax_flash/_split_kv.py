@@ -14,9 +14,10 @@ same keys again. So, for calls that fit (`plan`):
   only) q is transposed into ``(batch..., T*G, K, H)`` first;
 - the keys are split into `splits` equal chunks, each a batch item of its own (a reshape, no
   copy; the queries broadcast over the new batch axis), and the chunks' partial results merge
-  exactly through their log-sum-exps (`merge`). On the GPU one small kernel (jax_flash's
-  forward merge) merges them and writes the rows back in the call's layout, where XLA would
-  take three reductions and the transpositions.
+  exactly through their log-sum-exps (`merge`), from outputs in the accumulation dtype (no
+  rounding before the merge's one). On the GPU one small kernel (jax_flash's forward merge)
+  merges them and writes the rows back in the call's layout, where XLA would take three
+  reductions and the transpositions.
 
 The log-sum-exp returned is the merged one, so the backward (which recomputes from it) is that
 of the plain call. Only calls without a window (and so without causal masking, whose rows
@@ -109,18 +110,19 @@ def _from_call_layout(out, lse):
   return out.reshape(out.shape[:-3] + (K * G, H)), lse.reshape(lse.shape[:-3] + (K * G, T))
 
 
-def merge(out, lse, query_rows: int):
+def merge(out, lse, query_rows: int, dtype):
   """The exact combination of the chunks' partial results, laid out as the forward kernel gave
   them: out (..., P, T*G, K, H) and lse (..., P, K, T*G), or in the call's layout, out (..., P,
-  T, N, H) and lse (..., P, N, T) (the case G = 1) -> the call's out (..., T, K*G, H) and lse
-  (..., K*G, T). (On the GPU one kernel does the same: jax_flash's forward merge.)"""
+  T, N, H) and lse (..., P, N, T) (the case G = 1) -> the call's out (..., T, K*G, H) in
+  `dtype` and lse (..., K*G, T). (On the GPU one kernel does the same: jax_flash's forward
+  merge.)"""
   out, lse = _to_call_layout(out, lse, query_rows)
   total = jax.nn.logsumexp(lse, axis=-4)
   live = jnp.isfinite(total)[..., None, :, :, :]
   safe = jnp.where(live, total[..., None, :, :, :], 0)
   weight = jnp.where(live, jnp.exp(lse - safe), 0)[..., None]  # (..., P, T, K, G, 1)
-  acc = _config.accumulation_dtype(out.dtype)
-  return _from_call_layout(jnp.sum(out.astype(acc) * weight, axis=-5).astype(out.dtype), total)
+  acc = _config.accumulation_dtype(dtype)
+  return _from_call_layout(jnp.sum(out.astype(acc) * weight, axis=-5).astype(dtype), total)
 
 
 def _only_chunk(out, lse, query_rows: int):
@@ -157,9 +159,10 @@ def _packed(x, T: int, K: int, G: int, P: int):
 def forward(p: Plan, call, q, k, v, bias, mask, q_len, kv_len, merge_parts=merge,
             rows_in_place=False):
   """(out, lse) of the attention of q against k, v by `p`, where
-  `call(q, k, v, bias, mask, q_len, kv_len, query_groups)` runs the forward kernel on operands
-  with any number of leading batch axes (query_groups as the FFI call's: the query heads of a
-  group read as rows in place), `merge_parts` combines the chunks' results as `merge` does, and
+  `call(q, k, v, bias, mask, q_len, kv_len, query_groups, parts)` runs the forward kernel on
+  operands with any number of leading batch axes (query_groups as the FFI call's: the query
+  heads of a group read as rows in place; parts: results to merge, the output in the
+  accumulation dtype), `merge_parts` combines the chunks' results as `merge` does, and
   rows_in_place says whether `call` takes query_groups with several query rows."""
   T, _, H = q.shape[-3:]
   S, K, _ = k.shape[-3:]
@@ -190,7 +193,9 @@ def forward(p: Plan, call, q, k, v, bias, mask, q_len, kv_len, merge_parts=merge
     starts = jnp.arange(P, dtype=jnp.int32) * C
     kv_len = _validation.lengths_within(jnp.broadcast_to(kv_len, batch)[..., None], starts, C)
   bias, mask = (_packed(x, T, K, G, P) for x in (bias, mask))
-  out, lse = call(rows, k, v, bias, mask, q_len, kv_len, query_groups)
+  out, lse = call(rows, k, v, bias, mask, q_len, kv_len, query_groups, P > 1)
   # In place: the call's (batch..., P, T, N, H) and (batch..., P, N, T); transposed: (..., P,
   # T*G, K, H) and (..., P, K, T*G).
-  return (merge_parts if P > 1 else _only_chunk)(out, lse, T)
+  if P == 1:
+    return _only_chunk(out, lse, T)
+  return merge_parts(out, lse, T, q.dtype)

@@ -6,12 +6,14 @@ transformation runs around the CPU kernel, called directly, against the plain ke
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_flash
 from jax_flash import _primitive, _split_kv
 from jax_flash._validation import AttentionConfig
 
@@ -76,16 +78,18 @@ def test_split_and_packed_forward_equals_the_plain_call(groups, splits, lengths,
   want_out, want_lse = jax.jit(call)(q, k, v, bias, mask, q_len, kv_len, None, None)
   layouts = []
 
-  def kernel(q, k, v, bias, mask, q_len, kv_len, query_groups):
-    layouts.append(query_groups)
-    return call(q, k, v, bias, mask, q_len, kv_len, None, None, query_groups=query_groups)
+  def kernel(q, k, v, bias, mask, q_len, kv_len, query_groups, parts):
+    layouts.append((query_groups, parts))
+    return call(q, k, v, bias, mask, q_len, kv_len, None, None, query_groups=query_groups,
+                parts=parts)
 
   def split(q, k, v, bias, mask):
     return _split_kv.forward(_split_kv.Plan(groups, splits), kernel, q, k, v, bias, mask, q_len,
                              kv_len)
 
   out, lse = jax.jit(split)(q, k, v, bias, mask)
-  assert layouts == [groups if T == 1 else 1]  # the CPU kernel packs one row in place
+  # The CPU kernel packs one row in place; parts where there is a merge.
+  assert layouts == [(groups if T == 1 else 1, splits > 1)]
   assert out.shape == want_out.shape and lse.shape == want_lse.shape
   np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
   np.testing.assert_allclose(np.where(np.isneginf(want_lse), 0, lse),
@@ -155,6 +159,78 @@ def test_cpu_forward_refuses_query_groups_of_several_rows():
   call = functools.partial(_primitive._forward_call, PLAIN, query_groups=4)
   with pytest.raises(Exception, match="single query row only"):
     jax.block_until_ready(jax.jit(call)(q, k, v, None, None, None, None, None, None))
+
+
+#: (T, N, K, query_groups, H, tile rows): one row's query heads packed in place (the CPU
+#: kernel's packing too), several rows' in the call's layout and packed in place (two strides),
+#: head dims below their tile's, the head dims' other tiles.
+FLOAT_PARTS = [(1, 8, 2, 4, 128, 64), (3, 8, 2, 1, 72, 64), (3, 8, 2, 4, 128, 64),
+               (16, 32, 8, 4, 128, 64), (1, 12, 3, 4, 64, None), (2, 4, 4, 1, 256, None),
+               (5, 16, 4, 4, 120, 128)]
+
+
+def _check_float_parts(shape, dtype, masked, platform):
+  """A forward call with parts=True (a split's, the merge's input) gives the output in float32
+  that its plain call rounds once to the dtype: the same kernel and tile, bit for bit after the
+  rounding, in every layout of the rows, with ragged lengths (dead rows) and, masked, a mask
+  array; the log-sum-exps alike."""
+  T, N, K, G, H, rows = shape
+  B, S = 3, 700
+  q, k, v = _inputs(B, T, S, N, K, H, dtype, seed=2)
+  q_len = jnp.asarray([T, 0, max(T - 1, 1)], jnp.int32) * G  # in packed rows
+  kv_len = jnp.asarray([S, 300, 0], jnp.int32)
+  mask = None
+  if masked:
+    mask = jnp.asarray(np.random.default_rng(3).random((B, N // G, T * G, S)) < 0.6)
+  tile = None
+  if platform == "gpu":
+    from jax_flash import _config
+
+    tile = _config.SM90_FORWARD.tile_for(H, rows, arrays=masked)
+    assert tile.block_m == (rows or tile.block_m)
+  call = lambda parts: jax.jit(functools.partial(
+      _primitive._forward_call, PLAIN, gpu_tile=tile, query_groups=G, parts=parts))(
+          q, k, v, None, mask, q_len, kv_len, None, None)
+  want_out, want_lse = call(False)
+  out, lse = call(True)
+  assert out.dtype == jnp.float32 and out.shape == want_out.shape == q.shape
+  np.testing.assert_array_equal(np.asarray(out.astype(dtype), np.float32),
+                                np.asarray(want_out, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_float_parts_round_to_the_plain_output(dtype, masked):
+  """_check_float_parts on the CPU kernel, one row's heads packed."""
+  _check_float_parts(FLOAT_PARTS[0][:5] + (None,), dtype, masked, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("shape", FLOAT_PARTS, ids=lambda s: "T%d-N%d-K%d-G%d-H%d-rows%s" % s)
+def test_gpu_float_parts_round_to_the_plain_output(platform, shape, dtype, masked):
+  """_check_float_parts on the Hopper kernels: parts stored from the registers."""
+  _check_float_parts(shape, dtype, masked, platform)
+
+
+@pytest.mark.gpu
+def test_gpu_split_parts_reach_the_merge_in_float32(platform):
+  """A decoding step's compiled forward writes its parts in float32 and the merge reads them."""
+  from jax_flash import _extension
+
+  q, k, v = _inputs(1, 1, 4096, 32, 8, 128, jnp.bfloat16)
+  assert _split_kv.plan(q.shape, k.shape, PLAIN, False).splits > 1
+  hlo = jax.jit(lambda q, k, v: jax_flash.dot_product_attention(q, k, v)).lower(
+      q, k, v).compile().as_text()
+  calls = [line for line in hlo.splitlines() if "custom-call" in line and "custom_call_target"
+           in line]
+  forward = [c for c in calls if '"%s"' % _extension.FORWARD_TARGET in c]
+  merge = [c for c in calls if '"%s"' % _extension.FORWARD_MERGE_TARGET in c]
+  assert len(forward) == 1 and len(merge) == 1, calls
+  assert re.search(r"=\s*\(f32\[", forward[0]), forward[0]  # (out, lse) in float32
+  assert "operand_layout_constraints={f32[" in merge[0], merge[0]  # out_parts
 
 
 def test_plan_splits_until_the_gpu_is_full():
@@ -244,9 +320,10 @@ def platform():
   return "gpu"
 
 
-def _parts(items, P, layout, H, dtype, seed=0):
-  """Partial outputs and log-sum-exps of P chunks in the forward's layout of packed query heads
-  (`layout`: T, K, G; G = 1 is the call's layout), some rows dead in some chunks or in all."""
+def _parts(items, P, layout, H, seed=0):
+  """Partial outputs (float32) and log-sum-exps of P chunks in the forward's layout of packed
+  query heads (`layout`: T, K, G; G = 1 is the call's layout), some rows dead in some chunks or
+  in all."""
   T, K, G = layout
   N = K * G
   rng = np.random.default_rng(seed)
@@ -260,7 +337,7 @@ def _parts(items, P, layout, H, dtype, seed=0):
   out = out.reshape(items, P, T, K, G, H).transpose(0, 1, 2, 4, 3, 5).reshape(
       items, P, T * G, K, H)
   lse = lse.reshape(items, P, T, K, G).transpose(0, 1, 3, 2, 4).reshape(items, P, K, T * G)
-  return jnp.asarray(out, dtype), jnp.asarray(lse)
+  return jnp.asarray(out), jnp.asarray(lse)
 
 
 #: (T, K, G): the call's layout as the GPU's forward leaves it (G = 1: one row of 37 heads or of
@@ -279,8 +356,8 @@ def test_gpu_forward_merge_equals_the_definition(platform, P, H, layout, dtype):
   each layout of the parts into the call's: the log-sum-exp to float32 rounding, the output to
   one rounding of the dtype and the float32 sums' rounding; dead rows exactly 0 and -inf."""
   T = layout[0]
-  out, lse = _parts(3, P, layout, H, dtype)
-  merge = lambda f: jax.jit(f, static_argnums=2)(out, lse, T)
+  out, lse = _parts(3, P, layout, H)
+  merge = lambda f: jax.jit(f, static_argnums=(2, 3))(out, lse, T, dtype)
   got_out, got_lse = (np.asarray(x, np.float32) for x in merge(_primitive._forward_merge_call))
   want_out, want_lse = (np.asarray(x, np.float32) for x in merge(_split_kv.merge))
   N = layout[1] * layout[2]
@@ -295,8 +372,8 @@ def test_gpu_forward_merge_equals_the_definition(platform, P, H, layout, dtype):
   # cancel, more than with the result). Measured below 2^-23 of sum_i w_i |out_i| at 2 to 64
   # parts (bench/RESULTS.md); 2^-18 is 64 float32 ulps of it, room for the longer sums here.
   # sum_i w_i |out_i| is `merge` of |out| in float32.
-  terms = np.asarray(jax.jit(_split_kv.merge, static_argnums=2)(
-      jnp.abs(out.astype(jnp.float32)), lse, T)[0])
+  terms = np.asarray(jax.jit(_split_kv.merge, static_argnums=(2, 3))(
+      jnp.abs(out), lse, T, jnp.float32)[0])
   ulp = (np.abs(want_out) * float(jnp.finfo(dtype).eps) +
          float(jnp.finfo(dtype).smallest_normal) + terms * 2.0**-18)
   assert np.all(np.abs(got_out - want_out) <= ulp), np.abs(got_out - want_out).max()
@@ -304,27 +381,27 @@ def test_gpu_forward_merge_equals_the_definition(platform, P, H, layout, dtype):
 
 #: Inconsistent buffers of the merge, each against a consistent set: parts of T = 5 rows, K = 3
 #: and G = 2 in the rows layout (or in the call's layout, G = 1), and the message that names it.
-_MERGE_ROWS = dict(out=((2, 4, 10, 3, 8), jnp.bfloat16), lse=((2, 4, 3, 10), np.float32),
+_MERGE_ROWS = dict(out=((2, 4, 10, 3, 8), np.float32), lse=((2, 4, 3, 10), np.float32),
                    result=((2, 5, 6, 8), jnp.bfloat16), result_lse=((2, 6, 5), np.float32))
-_MERGE_CALL = dict(out=((2, 4, 5, 6, 8), jnp.bfloat16), lse=((2, 4, 6, 5), np.float32),
+_MERGE_CALL = dict(out=((2, 4, 5, 6, 8), np.float32), lse=((2, 4, 6, 5), np.float32),
                    result=((2, 5, 6, 8), jnp.bfloat16), result_lse=((2, 6, 5), np.float32))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("base,change,mentioned", [
-    (_MERGE_ROWS, dict(out=((2, 4, 10, 3, 8), np.float32)), "out_parts"),
-    (_MERGE_ROWS, dict(out=((2, 4, 3, 10, 8), jnp.bfloat16)), "out_parts"),
-    (_MERGE_ROWS, dict(out=((2, 4, 30, 8), jnp.bfloat16)), "takes out_parts"),
+    (_MERGE_ROWS, dict(out=((2, 4, 10, 3, 8), jnp.bfloat16)), "out_parts has dtype bfloat16"),
+    (_MERGE_ROWS, dict(out=((2, 4, 3, 10, 8), np.float32)), "out_parts"),
+    (_MERGE_ROWS, dict(out=((2, 4, 30, 8), np.float32)), "takes out_parts"),
     (_MERGE_ROWS, dict(lse=((2, 4, 3, 11), np.float32)), "lse_parts"),
     (_MERGE_ROWS, dict(lse=((2, 4, 3, 10), np.float16)), "lse_parts"),
     (_MERGE_ROWS, dict(result=((2, 5, 6, 9), jnp.bfloat16)), "output"),
-    (_MERGE_ROWS, dict(result=((2, 5, 6, 8), jnp.float16)), "output"),
+    (_MERGE_ROWS, dict(result=((2, 5, 6, 8), np.float32)), "output has dtype float32"),
     (_MERGE_ROWS, dict(result=((2, 5, 7, 8), jnp.bfloat16), result_lse=((2, 7, 5), np.float32)),
      "multiple of lse_parts' key/value heads"),
     (_MERGE_ROWS, dict(result_lse=((2, 5, 6), np.float32)), "lse"),
-    (_MERGE_ROWS, dict(out=((2, 4, 10, 3, 6), jnp.bfloat16), result=((2, 5, 6, 6), jnp.bfloat16)),
+    (_MERGE_ROWS, dict(out=((2, 4, 10, 3, 6), np.float32), result=((2, 5, 6, 6), jnp.bfloat16)),
      "multiples of 4"),
-    (_MERGE_CALL, dict(out=((2, 4, 6, 5, 8), jnp.bfloat16)), "out_parts"),
+    (_MERGE_CALL, dict(out=((2, 4, 6, 5, 8), np.float32)), "out_parts"),
     (_MERGE_CALL, dict(lse=((2, 4, 5, 6), np.float32)), "multiple of lse_parts' key/value heads"),
 ], ids=["out-dtype", "out-layout", "out-rank", "lse-rows", "lse-dtype", "output-shape",
         "output-dtype", "heads-not-grouped", "lse-shape", "head-dim", "call-layout-transposed",

@@ -148,6 +148,8 @@ struct ForwardParams {
   //! the id (Python computes it with searchsorted where the partner ids are sorted); lo = -1
   //! marks the whole axis, not exact (ids not sorted), to be read as lo = 0.
   Operand q_segment_ids, kv_segment_ids, kv_span, q_span;
+  //! The inputs' dtype, or the accumulation dtype (lse's) for a split's parts, which their
+  //! merge reads unrounded (jax_flash/_split_kv.py).
   Operand out;
   Operand lse;  //!< float32 (float64 for float64 problems); -inf where a row sees no key
   //! Packed query heads of several query rows (a decoding step, jax_flash/_split_kv.py): 1, or

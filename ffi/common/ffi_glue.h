@@ -112,7 +112,7 @@ struct ForwardMergeOperands {
 };
 
 //! Checks the merge's buffers against each other: ranks, extents, a 16-bit floating output
-//! dtype shared by out_parts and out, and float32 log-sum-exps.
+//! dtype, and float32 parts (outputs and log-sum-exps) and merged log-sum-exp.
 Status DescribeForwardMerge(ffi::AnyBuffer out_parts, ffi::AnyBuffer lse_parts,
                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                             ForwardMergeOperands* operands);

@@ -3,7 +3,7 @@
            tile per consumer warpgroup, where shared memory has room for them); normalises O,
            writes the log-sum-exp, and stores each consumer warpgroup's O rows through shared
            memory (stmatrix) with a TMA store, which clips rows past the sequence and columns
-           past the head dim.
+           past the head dim; or, for a split's parts, in float32 from the registers.
 */
 #pragma once
 
@@ -26,9 +26,22 @@ struct ForwardEpilogue {
   using TileInfo = typename ForwardMainloop<Traits>::TileInfo;
   static constexpr int kNumConsumerThreads = Traits::kNumConsumerThreads;
 
+  //! A split's parts (jax_flash/_split_kv.py): O in float32, which the merge reads without a
+  //! rounding in between, stored from the registers where the call's out would hold it
+  //! (strides in elements). A part's tile has few live rows (a decoding step's), and float32
+  //! output tiles would take twice the shared memory.
+  struct FloatParts {
+    float* data = nullptr;  //!< null: O in Element, through tma_store_o
+    int64_t item_stride = 0, head_stride = 0;
+    int64_t query_row_stride = 0;  //!< between query rows t (rows t*G + g: see group_row_stride)
+    int64_t group_row_stride = 0;  //!< between rows g of a query row's packed heads
+    int32_t head_dim = 0;          //!< the problem's: columns past it are not stored
+  };
+
   struct Arguments {
-    typename Traits::GmemTensorSeq o;  //!< full batch shape
+    typename Traits::GmemTensorSeq o;  //!< full batch shape; unused with float parts
     float* lse;                        //!< (batch, heads, seqlen_q)
+    FloatParts parts;
   };
 
   //! Packed query heads of several query rows (AttentionProblem::query_group_shift): out
@@ -45,14 +58,18 @@ struct ForwardEpilogue {
     typename Traits::TmaStoreO tma_store_o;
     typename Traits::ShapeSeq shape_o;
     float* lse;
+    FloatParts parts;
   };
 
   static Params to_params(Arguments const& args) {
     Params params;
-    params.tma_store_o = make_tma_copy(SM90_TMA_STORE{}, args.o, SmemLayoutO{},
-                                       typename Traits::OutputTileShape{}, _1{});
-    params.shape_o = args.o.shape();
+    if (args.parts.data == nullptr) {
+      params.tma_store_o = make_tma_copy(SM90_TMA_STORE{}, args.o, SmemLayoutO{},
+                                         typename Traits::OutputTileShape{}, _1{});
+      params.shape_o = args.o.shape();
+    }
     params.lse = args.lse;
+    params.parts = args.parts;
     return params;
   }
 
@@ -68,8 +85,15 @@ struct ForwardEpilogue {
     return storage.o.data() + warp_group * cosize_v<SmemLayoutO>;
   }
 
-  CUTE_DEVICE static void prefetch_descriptors(Params const& params) {
-    cute::prefetch_tma_descriptor(params.tma_store_o.get_tma_descriptor());
+  //! The output's TMA descriptors, where O goes through them (not for float parts).
+  CUTE_DEVICE static void prefetch_descriptors(Params const& params, QueryGroups const& groups,
+                                               bool packed_rows) {
+    if (params.parts.data != nullptr) return;
+    if (packed_rows) {
+      cute::prefetch_tma_descriptor(&groups.o);
+    } else {
+      cute::prefetch_tma_descriptor(params.tma_store_o.get_tma_descriptor());
+    }
   }
 
   //! Normalises one tile's O and stores the calling consumer warpgroup's rows through
@@ -111,6 +135,11 @@ struct ForwardEpilogue {
           lse_rows[(row & ((1 << shift) - 1)) * query_rows + (row >> shift)] = lse[r];
         }
       }
+    }
+
+    if (params.parts.data != nullptr) {
+      store_float_part(params.parts, problem, info, o, rows);
+      return;
     }
 
     Tensor tOrO_out = make_tensor<Element>(tOrO.layout());
@@ -172,6 +201,32 @@ struct ForwardEpilogue {
     for (int c = 0; c < Traits::kHeadDim / kColumns; ++c) {
       SM90_TMA_STORE_5D::copy(&groups.o, smem_o + c * kRows * kColumns, c * kColumns,
                               0, first_query_row, head, item);
+    }
+  }
+
+  //! Stores the calling thread's rows of the normalised O (`o`, as (rows, cols), and `rows`,
+  //! their coordinates) to the float parts, column pairs (adjacent in an SM90 accumulator) as
+  //! 8-byte stores; rows past the problem's and columns past its head dim stay unwritten.
+  template <class TensorO, class TensorRows>
+  CUTE_DEVICE static void store_float_part(FloatParts const& parts, AttentionProblem const& problem,
+                                           TileInfo const& info, TensorO const& o,
+                                           TensorRows const& rows) {
+    const int shift = problem.query_group_shift;
+    float* head = parts.data + info.coord.batch * parts.item_stride +
+                  info.coord.head * parts.head_stride;
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(o); ++r) {
+      const int row = info.m_start() + get<0>(rows(r, 0));
+      if (row >= problem.seqlen_q) continue;
+      float* out_row = head + (row >> shift) * parts.query_row_stride +
+                       (row & ((1 << shift) - 1)) * parts.group_row_stride;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(o); c += 2) {
+        const int column = get<1>(rows(r, c));
+        if (column < parts.head_dim) {
+          *reinterpret_cast<float2*>(out_row + column) = make_float2(o(r, c), o(r, c + 1));
+        }
+      }
     }
   }
 

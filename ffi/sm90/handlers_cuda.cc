@@ -110,7 +110,7 @@ ffi::Error ForwardMergeCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   }
   if (status.ok()) {
     sm90::ForwardMergeParams params;
-    params.out_parts = m.out_parts.data;
+    params.out_parts = static_cast<const float*>(m.out_parts.data);
     params.lse_parts = static_cast<const float*>(m.lse_parts.data);
     params.out = m.out.data;
     params.lse = static_cast<float*>(m.lse.data);
@@ -120,7 +120,7 @@ ffi::Error ForwardMergeCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     params.kv_heads = int32_t(m.kv_heads);
     params.group = int32_t(m.group);
     params.head_dim = int32_t(m.head_dim);
-    params.dtype = m.out_parts.dtype;
+    params.dtype = m.out.dtype;
     status = sm90::RunForwardMerge(params, context);
   }
   return ToFfiError(status);

@@ -97,7 +97,6 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     // keys, once the output store that went through it has read it).
     mainloop_storage.q_empty.init(Traits::kNumConsumerThreads);
     Mainloop::prefetch_descriptors(params.mainloop);
-    Epilogue::prefetch_descriptors(params.epilogue);
   }
   typename PipelineKV::Params pipeline_params;
   pipeline_params.transaction_bytes = Traits::kKVStageBytes;
@@ -110,7 +109,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   // The bias tiles' pipelines: the producer warpgroup's second warp loads, each consumer
   // warpgroup reads its own.
   using PipelineBias = typename Mainloop::PipelineBias;
-  constexpr int kBiasLoaderThread = 32;
+  constexpr int kBiasLoaderThread = 32, kOutputPrefetchThread = 64;
   typename PipelineBias::Params bias_pipeline_params;
   bias_pipeline_params.transaction_bytes = Traits::kBiasRowsBytes;
   bias_pipeline_params.role = is_producer ? PipelineBias::ThreadCategory::Producer
@@ -170,11 +169,19 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       }
       return;
     }
-    if (threadIdx.x >= (kWarpBuildsTileInfo ? 32 : 1)) return;
+    if (threadIdx.x >= (kWarpBuildsTileInfo ? 32 : 1)) {
+      // A warp with nothing else to do (neither the loader's nor the bias loader's) prefetches
+      // the output's descriptors: their parameters, read on the loader's or the consumers'
+      // path to the first tile, would delay it (constant-cache misses).
+      if (threadIdx.x == kOutputPrefetchThread) {
+        Epilogue::prefetch_descriptors(params.epilogue, params.epilogue_groups,
+                                       params.problem.query_group_shift > 0);
+      }
+      return;
+    }
     const bool loader = threadIdx.x == 0;
     if (loader && params.problem.query_group_shift > 0) {
       cute::prefetch_tma_descriptor(&params.mainloop_groups.q);
-      cute::prefetch_tma_descriptor(&params.epilogue_groups.o);
     }
     uint32_t q_empty_phase = 1;  // the first wait on a fresh barrier passes
     for (; scheduler.valid(); scheduler.advance()) {

@@ -126,11 +126,11 @@ Status RunBackward(const BackwardParams& params, const BackwardWorkspaceLayout& 
                    void* workspace, const LaunchContext& context);
 
 //! The merge of a forward split along the keys into parts (jax_flash/_split_kv.py), each part
-//! holding its rows' normalised outputs and log-sum-exps (kernel_fwd_merge.h): query rows T,
-//! key/value heads K and the G query heads of each packed as the forward ran them; G = 1 and
-//! K = N for parts in the call's layout, (T, N, H) and (N, T).
+//! holding its rows' normalised outputs and log-sum-exps in float32 (kernel_fwd_merge.h): query
+//! rows T, key/value heads K and the G query heads of each packed as the forward ran them; G = 1
+//! and K = N for parts in the call's layout, (T, N, H) and (N, T).
 struct ForwardMergeParams {
-  const void* out_parts = nullptr;   //!< (items, parts, T*G, K, H); dtype
+  const float* out_parts = nullptr;  //!< (items, parts, T*G, K, H)
   const float* lse_parts = nullptr;  //!< (items, parts, K, T*G)
   void* out = nullptr;               //!< (items, T, K*G, H), dtype
   float* lse = nullptr;              //!< (items, K*G, T)

@@ -56,7 +56,20 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   kp.mainloop = Kernel::Mainloop::to_params(mainloop);
 
   typename Kernel::Epilogue::Arguments epilogue;
-  epilogue.o = sequence_tensor<Element>(p.out, s.seqlen_q, s.num_heads, s.head_dim, s.batch);
+  // A split's parts in float32 (ForwardParams::out): rows t*G + g of packed query heads step by
+  // out's strides of the G heads and of the query rows.
+  const bool float_parts = p.out.dtype == ElementType::kFloat32;
+  if (float_parts) {
+    auto& parts = epilogue.parts;
+    parts.data = static_cast<float*>(p.out.data);
+    parts.item_stride = p.out.batch_stride;
+    parts.head_stride = p.out.stride[1];
+    parts.query_row_stride = p.query_groups > 1 ? s.num_heads * p.out.stride[1] : p.out.stride[0];
+    parts.group_row_stride = p.query_groups > 1 ? p.out.stride[0] : 0;
+    parts.head_dim = int32_t(s.head_dim);
+  } else {
+    epilogue.o = sequence_tensor<Element>(p.out, s.seqlen_q, s.num_heads, s.head_dim, s.batch);
+  }
   epilogue.lse = static_cast<float*>(p.lse.data);
   if (p.query_groups > 1) {
     // Rows t*G + g have two strides: q and out move through descriptors of their own.
@@ -70,7 +83,7 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
     while ((int64_t(1) << shift) < groups) ++shift;
     status = make_query_groups_tma<Element>(p.q, s, groups, Traits::kBlockM,
                                             &kp.mainloop_groups.q);
-    if (status.ok()) {
+    if (status.ok() && !float_parts) {
       status = make_query_groups_tma<Element>(
           p.out, s, groups, size<0>(typename Traits::OutputTileShape{}), &kp.epilogue_groups.o);
     }

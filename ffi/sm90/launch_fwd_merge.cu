@@ -21,9 +21,12 @@ int64_t merged_rows(const ForwardMergeParams& p) {
 template <class Element, class Shape>
 Status launch_merge_shape(const ForwardMergeParams& p, const LaunchContext& context) {
   const int64_t threads = p.items * merged_rows(p) * (p.head_dim / kMergeColumns) * Shape::lanes;
-  const int blocks = int((threads + kMergeThreads - 1) / kMergeThreads);
+  const int block_threads =
+      (threads + kMergeThreads - 1) / kMergeThreads < context.sm_count ? kMergeFewThreads
+                                                                        : kMergeThreads;
+  const int blocks = int((threads + block_threads - 1) / block_threads);
   const auto launch = [&](auto kernel) {
-    return launch_kernel(kernel, blocks, kMergeThreads, 0, p, context, "forward merge");
+    return launch_kernel(kernel, blocks, block_threads, 0, p, context, "forward merge");
   };
   if (p.group > 1) return launch(forward_merge_kernel<Element, Shape, MergeLayout::kRows>);
   return p.query_rows == 1
@@ -32,8 +35,9 @@ Status launch_merge_shape(const ForwardMergeParams& p, const LaunchContext& cont
 }
 
 //! The merge's shape by its number of parts: each lane's parts in one round of loads up to 64
-//! parts. On an H200, 16 parts merge in 1.9 us in groups of 4 lanes, in 2.5 us with one lane per
-//! row; groups of 8 lanes were no faster there and slower at 2 parts (bench/RESULTS.md).
+//! parts. On an H200, 16 parts (16-bit then) merged in 1.9 us in groups of 4 lanes, in 2.5 us with
+//! one lane per row; groups of 8 lanes were no faster there and slower at 2 parts
+//! (bench/RESULTS.md).
 template <ElementType kDtype>
 Status launch_forward_merge(const ForwardMergeParams& p, const LaunchContext& context) {
   using Element = typename CutlassElement<kDtype>::type;
