@@ -114,7 +114,7 @@ CASES = list(_sanitizer_driver.cases())
 
 # One test per tool and case, each a process of its own: the cases are independent and each is
 # mostly host time (compiling, and the sanitizer patching every module loaded), so pytest-xdist
-# spreads them over the cores (.ci/gpu: one worker per core; more only slow them all), a
+# spreads them over workers (.ci/gpu: six at most; 14-16 side by side stalled some for minutes), a
 # partial run still reports the cases it finished, and -k picks cases by tool and feature.
 @pytest.mark.gpu
 @pytest.mark.parametrize("index", range(len(CASES)),

@@ -355,13 +355,28 @@ def test_gpu_forward_merge_equals_the_definition(platform, P, H, layout, dtype):
   """The CUDA merge kernel against `_split_kv.merge` (float32 weights and sums, both), from
   each layout of the parts into the call's: the log-sum-exp to float32 rounding, the output to
   one rounding of the dtype and the float32 sums' rounding; dead rows exactly 0 and -inf."""
+  _check_merge_kernel(*_parts(3, P, layout, H), layout, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P", [2, 16])
+def test_gpu_forward_merge_of_more_items_than_one_launch_takes(platform, P):
+  """Items past the 65535 of one launch's grid (several launches), each of fewer threads
+  than a warp (blocks of one warp)."""
+  layout = (1, 1, 2)
+  _check_merge_kernel(*_parts(65535 + 7, P, layout, 8), layout, "bfloat16")
+
+
+def _check_merge_kernel(out, lse, layout, dtype):
+  """The merge kernel's results of these parts against `_split_kv.merge`'s (see
+  test_gpu_forward_merge_equals_the_definition)."""
   T = layout[0]
-  out, lse = _parts(3, P, layout, H)
+  items, H = out.shape[0], out.shape[-1]
   merge = lambda f: jax.jit(f, static_argnums=(2, 3))(out, lse, T, dtype)
   got_out, got_lse = (np.asarray(x, np.float32) for x in merge(_primitive._forward_merge_call))
   want_out, want_lse = (np.asarray(x, np.float32) for x in merge(_split_kv.merge))
   N = layout[1] * layout[2]
-  assert got_out.shape == want_out.shape == (3, T, N, H) and got_lse.shape == (3, N, T)
+  assert got_out.shape == want_out.shape == (items, T, N, H) and got_lse.shape == (items, N, T)
   assert np.all(got_lse[:, -1, -1] == -np.inf) and np.all(got_out[:, -1, -1] == 0)
   np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
   live = ~np.isneginf(want_lse)

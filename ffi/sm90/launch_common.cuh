@@ -226,6 +226,13 @@ auto sequence_tensor(const Operand& op, int64_t seqlen, int64_t heads, int64_t h
   return make_tensor(make_gmem_ptr(static_cast<Element const*>(op.data)), shape, stride);
 }
 
+//! Under packed query heads of several query rows (ForwardParams::query_groups = G > 1), the
+//! stride between query rows t of q or out: one row of all K packed heads, each `op`'s head
+//! stride (G of the call's heads) apart.
+inline int64_t packed_query_row_stride(const Operand& op, const AttentionShape& s) {
+  return s.num_heads * op.stride[1];
+}
+
 //! A TMA descriptor of q or out under packed query heads of several query rows
 //! (ForwardParams::query_groups = G): the call's (T, K*G, H) as (H, G, T, K, own items), boxes
 //! of 64 columns (the 128-byte swizzle's width, a column block of the tiles' shared layouts) by
@@ -242,7 +249,7 @@ Status make_query_groups_tma(const Operand& op, const AttentionShape& s, int64_t
   }
   constexpr int64_t kBytes = sizeof(Element);
   const int64_t head_stride = op.stride[1];             // G of the call's heads; G > 1: nonzero
-  const int64_t row_stride = s.num_heads * head_stride;  // one query row of all heads
+  const int64_t row_stride = packed_query_row_stride(op, s);
   const int64_t query_rows = s.seqlen_q / groups;
   const int64_t items = own_batch_items(s.batch, op.batch);
   const int64_t item_stride = op.batch_stride != 0 ? op.batch_stride : query_rows * row_stride;

@@ -64,7 +64,8 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
     parts.data = static_cast<float*>(p.out.data);
     parts.item_stride = p.out.batch_stride;
     parts.head_stride = p.out.stride[1];
-    parts.query_row_stride = p.query_groups > 1 ? s.num_heads * p.out.stride[1] : p.out.stride[0];
+    parts.query_row_stride =
+        p.query_groups > 1 ? packed_query_row_stride(p.out, s) : p.out.stride[0];
     parts.group_row_stride = p.query_groups > 1 ? p.out.stride[0] : 0;
     parts.head_dim = int32_t(s.head_dim);
   } else {

@@ -2,6 +2,7 @@
     \brief RunForwardMerge: checks the merge's extents and launches a group of threads per
            (item, merged row, kMergeColumns columns), its shape chosen by the number of parts.
 */
+#include <algorithm>
 #include <climits>
 #include <string>
 
@@ -18,20 +19,40 @@ int64_t merged_rows(const ForwardMergeParams& p) {
   return int64_t(p.query_rows) * p.kv_heads * p.group;
 }
 
+//! The most items one launch takes (the grid's y); more take several launches.
+constexpr int64_t kMaxLaunchItems = 65535;
+
 template <class Element, class Shape>
 Status launch_merge_shape(const ForwardMergeParams& p, const LaunchContext& context) {
-  const int64_t threads = p.items * merged_rows(p) * (p.head_dim / kMergeColumns) * Shape::lanes;
-  const int block_threads =
-      (threads + kMergeThreads - 1) / kMergeThreads < context.sm_count ? kMergeFewThreads
-                                                                        : kMergeThreads;
-  const int blocks = int((threads + block_threads - 1) / block_threads);
-  const auto launch = [&](auto kernel) {
-    return launch_kernel(kernel, blocks, block_threads, 0, p, context, "forward merge");
-  };
-  if (p.group > 1) return launch(forward_merge_kernel<Element, Shape, MergeLayout::kRows>);
-  return p.query_rows == 1
-             ? launch(forward_merge_kernel<Element, Shape, MergeLayout::kCallOneRow>)
-             : launch(forward_merge_kernel<Element, Shape, MergeLayout::kCall>);
+  const int64_t rows = merged_rows(p);
+  const int64_t item_threads = rows * (p.head_dim / kMergeColumns) * Shape::lanes;
+  // Blocks of one warp at least, and no more threads than an item has.
+  const int64_t rule_threads =
+      (p.items * item_threads + kMergeThreads - 1) / kMergeThreads < context.sm_count
+          ? kMergeFewThreads
+          : kMergeThreads;
+  const int block_threads = int(std::min(rule_threads, (item_threads + 31) / 32 * 32));
+  const unsigned item_blocks = unsigned((item_threads + block_threads - 1) / block_threads);
+  const auto kernel = p.group > 1        ? forward_merge_kernel<Element, Shape, MergeLayout::kRows>
+                      : p.query_rows == 1 ? forward_merge_kernel<Element, Shape,
+                                                                 MergeLayout::kCallOneRow>
+                                          : forward_merge_kernel<Element, Shape, MergeLayout::kCall>;
+  ForwardMergeKernelParams kp;
+  kp.column_groups = cutlass::FastDivmod(p.head_dim / kMergeColumns);
+  kp.heads = cutlass::FastDivmod(p.kv_heads * p.group);
+  kp.group = cutlass::FastDivmod(p.group);
+  for (int64_t first = 0; first < p.items; first += kMaxLaunchItems) {
+    kp.merge = p;
+    kp.merge.items = std::min(p.items - first, kMaxLaunchItems);
+    kp.merge.out_parts += first * p.parts * rows * p.head_dim;
+    kp.merge.lse_parts += first * p.parts * rows;
+    kp.merge.out = static_cast<Element*>(p.out) + first * rows * p.head_dim;
+    kp.merge.lse += first * rows;
+    const Status status = launch_kernel(kernel, dim3(item_blocks, unsigned(kp.merge.items)),
+                                        block_threads, 0, kp, context, "forward merge");
+    if (!status.ok()) return status;
+  }
+  return Status::Ok();
 }
 
 //! The merge's shape by its number of parts: each lane's parts in one round of loads up to 64
@@ -62,13 +83,10 @@ Status RunForwardMerge(const ForwardMergeParams& p, const LaunchContext& context
                                    "multiples of " + std::to_string(kMergeColumns) +
                                    ", got " + std::to_string(p.head_dim));
   }
-  // The kernel indexes one item's parts and rows in 32-bit integers, and its grid in blocks.
-  constexpr int64_t kMaxBlocks = (int64_t(1) << 31) - 1;
+  // The kernel indexes one item's parts, rows and threads in 32-bit integers.
   const int64_t rows = merged_rows(p);
   if (rows * p.parts > INT32_MAX ||
-      (p.items * rows * (p.head_dim / kMergeColumns) * kMergeMaxLanes + kMergeThreads - 1) /
-              kMergeThreads >
-          kMaxBlocks) {
+      rows * (p.head_dim / kMergeColumns) * kMergeMaxLanes + kMergeThreads > INT32_MAX) {
     return Status::InvalidArgument("jax_flash: the forward merge has too many rows");
   }
   if (p.items * rows == 0) return Status::Ok();

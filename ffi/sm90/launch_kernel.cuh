@@ -14,7 +14,7 @@ namespace jax_flash::sm90 {
 
 //! Raises the kernel's dynamic shared memory limit and launches it on the context's stream.
 template <class Kernel, class Params>
-Status launch_kernel(Kernel kernel, int grid, int threads, int smem_bytes, const Params& params,
+Status launch_kernel(Kernel kernel, dim3 grid, int threads, int smem_bytes, const Params& params,
                      const LaunchContext& context, const char* kernel_name) {
   cudaError_t err = cudaSuccess;
   if (smem_bytes > 48 * 1024) {
