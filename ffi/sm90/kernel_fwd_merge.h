@@ -1,12 +1,11 @@
 /*! \file kernel_fwd_merge.h
     \brief The merge of a forward split along the keys (jax_flash/_split_kv.py): each part
            attended one chunk of the keys and holds a normalised output (float32) and its
-           log-sum-exp;
-           the whole row's lse is the log-sum-exp of the parts' lses, and its output the sum of
-           the parts' outputs weighted by exp(lse_part - lse). The parts come in the forward's
-           layout of packed query heads or in the call's, the merged rows go out in the call's
-           (T, N, H) and (N, T). A group of up to kMergeMaxLanes threads per (item, row,
-           kMergeColumns columns).
+           log-sum-exp; the whole row's lse is the log-sum-exp of the parts' lses, and its
+           output the sum of the parts' outputs weighted by exp(lse_part - lse). The parts come
+           in the forward's layout of packed query heads or in the call's, the merged rows go
+           out in the call's (T, N, H) and (N, T). A group of up to kMergeMaxLanes threads per
+           (item, row, kMergeColumns columns).
 */
 #pragma once
 

@@ -33,10 +33,10 @@ Status launch_merge_shape(const ForwardMergeParams& p, const LaunchContext& cont
           : kMergeThreads;
   const int block_threads = int(std::min(rule_threads, (item_threads + 31) / 32 * 32));
   const unsigned item_blocks = unsigned((item_threads + block_threads - 1) / block_threads);
-  const auto kernel = p.group > 1        ? forward_merge_kernel<Element, Shape, MergeLayout::kRows>
-                      : p.query_rows == 1 ? forward_merge_kernel<Element, Shape,
-                                                                 MergeLayout::kCallOneRow>
-                                          : forward_merge_kernel<Element, Shape, MergeLayout::kCall>;
+  const auto kernel =
+      p.group > 1         ? forward_merge_kernel<Element, Shape, MergeLayout::kRows>
+      : p.query_rows == 1 ? forward_merge_kernel<Element, Shape, MergeLayout::kCallOneRow>
+                          : forward_merge_kernel<Element, Shape, MergeLayout::kCall>;
   ForwardMergeKernelParams kp;
   kp.column_groups = cutlass::FastDivmod(p.head_dim / kMergeColumns);
   kp.heads = cutlass::FastDivmod(p.kv_heads * p.group);
