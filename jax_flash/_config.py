@@ -72,6 +72,32 @@ class Sm90BackwardTile:
 
 
 @dataclasses.dataclass(frozen=True)
+class Sm90DecodeKernel:
+  """The Hopper decoding forward (kernel_fwd_decode.h): a split's key chunks against a few
+  packed query rows, in place of the forward tiles."""
+  rows: int  # at most this many packed query rows: the block_m the forward call names it by
+  # (head dim, longest chunk in keys it takes in place of the tiles, None: any) per head dim
+  # it has, exactly these
+  prefer_keys_up_to: tuple
+
+  @property
+  def block_m(self) -> int:
+    return self.rows
+
+  @property
+  def head_dims(self) -> tuple:
+    return tuple(head_dim for head_dim, _ in self.prefer_keys_up_to)
+
+  def runs(self, head_dim: int, rows: int, keys: int, *, arrays: bool, softcap: bool) -> bool:
+    """Whether a split's forward of `rows` packed query rows against chunks of `keys` keys runs
+    on this kernel (splits take no window or segment ids, `_split_kv.plan`)."""
+    if head_dim not in self.head_dims or rows > self.rows or arrays or softcap:
+      return False
+    longest = dict(self.prefer_keys_up_to)[head_dim]
+    return longest is None or keys <= longest
+
+
+@dataclasses.dataclass(frozen=True)
 class Kernel:
   """One compiled kernel: its tiles and its optional features: the logit arrays it reads
   ("bias", "mask"), whether it soft-caps logits ("softcap"), whether it takes segment ids
@@ -136,6 +162,10 @@ GPU_HEAD_DIM_MULTIPLE: int = _TABLE["sm90"]["head_dim_multiple"]
 GPU_BIAS_MIN_SCALE: float = _TABLE["sm90"]["bias_min_scale"]
 SM90_FORWARD = _kernel(_TABLE["sm90"]["forward"], Sm90ForwardTile)
 SM90_BACKWARD = _kernel(_TABLE["sm90"]["backward"], Sm90BackwardTile)
+_DECODE = _TABLE["sm90"]["forward"]["decode"]
+SM90_DECODE = Sm90DecodeKernel(
+    _DECODE["rows"],
+    tuple((d["head_dim"], d.get("prefer_keys_up_to")) for d in _DECODE["head_dims"]))
 SM90_FORWARD_TILES = SM90_FORWARD.tiles
 SM90_BACKWARD_TILES = SM90_BACKWARD.tiles
 GPU_HEAD_DIMS = tuple(sorted({t.head_dim for t in SM90_FORWARD_TILES}))

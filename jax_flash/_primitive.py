@@ -489,9 +489,14 @@ def _gpu_forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
                          gpu_tile=tile)
 
   def call(q, k, v, bias, mask, q_len, kv_len, query_groups, parts):
-    # Split problems have no window (_split_kv.plan): rows are the packed query heads'.
-    tile = _config.SM90_FORWARD.tile_for(q.shape[-1], q.shape[-3] * query_groups,
-                                         arrays=arrays)
+    # Split problems have no window (_split_kv.plan): rows are the packed query heads'. A
+    # split's short chunks of few rows run on the decoding kernel.
+    rows = q.shape[-3] * query_groups
+    if parts and _config.SM90_DECODE.runs(q.shape[-1], rows, k.shape[-3], arrays=arrays,
+                                          softcap=config.softcap > 0):
+      tile = _config.SM90_DECODE
+    else:
+      tile = _config.SM90_FORWARD.tile_for(q.shape[-1], rows, arrays=arrays)
     return _forward_call(config, q, k, v, bias, mask, q_len, kv_len, None, None, gpu_tile=tile,
                          query_groups=query_groups, parts=parts)
 

@@ -17,7 +17,9 @@ same keys again. So, for calls that fit (`plan`):
   exactly through their log-sum-exps (`merge`), from outputs in the accumulation dtype (no
   rounding before the merge's one). On the GPU one small kernel (jax_flash's forward merge)
   merges them and writes the rows back in the call's layout, where XLA would take three
-  reductions and the transpositions.
+  reductions and the transpositions; chunks against at most 16 packed rows run on the Hopper
+  decoding kernel rather than the forward tiles, at the chunk lengths kernel_configs.json
+  prefers it for per head dim (`_config.SM90_DECODE`).
 
 The log-sum-exp returned is the merged one, so the backward (which recomputes from it) is that
 of the plain call. Only calls without a window (and so without causal masking, whose rows

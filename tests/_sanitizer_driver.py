@@ -61,9 +61,9 @@ def cases():
     if any(t.prefer_rows_up_to for t in _config.SM90_FORWARD_TILES if t.head_dim == H):
       # Few query rows (the tile this head dim prefers for them), and decoding steps: one
       # row and three rows against split keys (jax_flash/_split_kv.py), 4 query heads per
-      # key/value head packed into rows in place (three rows through the forward's
-      # five-dimensional TMA boxes), the chunks merged by the merge kernel from the call's
-      # layout (its one-row and several-row forms).
+      # key/value head packed into rows in place, the chunks merged by the merge kernel from
+      # the call's layout (its one-row and several-row forms); without logit arrays, on the
+      # decoding kernel where it lists the head dim.
       yield dict(H=H, dtype=dtypes[1 % len(dtypes)], is_causal=False, window=None,
                  lengths=None, T=13)
       yield dict(H=H, dtype=dtypes[0], is_causal=False, window=None, lengths="ragged", T=1,
@@ -81,6 +81,14 @@ def cases():
       if "bias" in _config.SM90_FORWARD.features:
         yield dict(H=H, dtype=dtypes[1 % len(dtypes)], is_causal=False, window=None,
                    lengths=None, T=3, S=2048, N=8, K=2, bias="B1TS")
+    elif H in _config.SM90_DECODE.head_dims:
+      # Decoding steps on the decoding kernel: one row's packed query heads against chunks of
+      # 256 keys (one buffer of keys), three rows' against chunks of 512 (two buffers), ragged
+      # lengths.
+      yield dict(H=H, dtype=dtypes[0], is_causal=False, window=None, lengths="ragged", T=1,
+                 S=2048, N=8, K=2)
+      yield dict(H=H, dtype=dtypes[1 % len(dtypes)], is_causal=False, window=None,
+                 lengths="ragged", T=3, S=8192, N=8, K=2)
     if "softcap" in _config.SM90_FORWARD.features | _config.SM90_BACKWARD.features:
       yield dict(H=H, dtype=dtypes[(i + 1) % len(dtypes)], is_causal=True, window=None,
                  lengths="ragged", softcap=2.0)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _primitive, _split_kv
+from jax_flash import _config, _primitive, _split_kv
 from jax_flash._validation import AttentionConfig
 
 from _harness import Case, check_forward, check_gradients
@@ -184,8 +184,6 @@ def _check_float_parts(shape, dtype, masked, platform):
     mask = jnp.asarray(np.random.default_rng(3).random((B, N // G, T * G, S)) < 0.6)
   tile = None
   if platform == "gpu":
-    from jax_flash import _config
-
     tile = _config.SM90_FORWARD.tile_for(H, rows, arrays=masked)
     assert tile.block_m == (rows or tile.block_m)
   call = lambda parts: jax.jit(functools.partial(
@@ -287,6 +285,15 @@ DECODE_CASES = [
     # block, transposed.
     Case(T=4, S=8192, B=2, N=16, K=1, H=128, kv_lens=(8192, 5000)),
     Case(T=5, S=4096, B=2, N=12, K=4, H=128, mask="B11S"),
+    # On the decoding kernel (at most 16 packed rows; the head dim 64 cases above too, with
+    # chunks of 512 and 1024 keys, two buffers of keys), chunks of 128 or 256 keys (one buffer):
+    # one row of 32 heads against 4096 keys (16 chunks); 15 rows of transposed groups of 3; one
+    # query head per key/value head, chunks of one key block, lengths ending inside and at warps'
+    # key ranges, large logits (std 4: logits of some 200).
+    Case(T=1, S=4096, B=1, N=32, K=8, H=128),
+    Case(T=5, S=2048, B=2, N=12, K=4, H=128, kv_lens=(2048, 129)),
+    Case(T=3, S=1024, B=3, N=4, K=4, H=64, q_lens=(3, 1, 0), kv_lens=(97, 32, 1024)),
+    Case(T=1, S=2048, B=2, N=16, K=2, H=64, std=4.0, kv_lens=(2047, 255)),
 ]
 
 
@@ -305,6 +312,73 @@ def test_gpu_decode_shapes(case, dtype):
   assert _split_kv.plan(q_shape, k_shape, PLAIN, False) is not None, "not a decoding shape"
   check_forward(case, "gpu")
   check_gradients(case, "gpu")
+
+
+@pytest.mark.parametrize("H,longest", _config.SM90_DECODE.prefer_keys_up_to)
+def test_decoding_kernel_runs_the_chunks_it_prefers(H, longest):
+  """A split's forward runs on the decoding kernel where its chunks have at most the head dim's
+  prefer_keys_up_to keys (any, where it has none) and its packed rows fit the kernel's, in the
+  head dims it lists, without logit arrays or soft-capping; elsewhere on the forward tiles."""
+  decode = _config.SM90_DECODE
+  keys = longest or 1 << 20
+  assert decode.runs(H, decode.rows, keys, arrays=False, softcap=False)
+  assert decode.runs(H, 1, 128, arrays=False, softcap=False)
+  assert not decode.runs(H, decode.rows + 1, 128, arrays=False, softcap=False)
+  assert decode.runs(H, 1, keys + 128, arrays=False, softcap=False) == (longest is None)
+  assert not decode.runs(H, 1, 128, arrays=True, softcap=False)
+  assert not decode.runs(H, 1, 128, arrays=False, softcap=True)
+  assert not decode.runs(H - 8, 1, 128, arrays=False, softcap=False)
+  assert decode.block_m not in {t.block_m for t in _config.SM90_FORWARD_TILES}
+
+
+def _decode_forward_call(q, k, v, **kw):
+  """The forward FFI call on the decoding kernel (its block_m), parts in float32."""
+  kw.setdefault("parts", True)
+  return jax.jit(functools.partial(_primitive._forward_call, PLAIN,
+                                   gpu_tile=_config.SM90_DECODE, **kw))(
+      q, k, v, None, None, None, None, None, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("T,N,K,G,H,S", [(1, 8, 2, 4, 128, 300), (4, 16, 4, 4, 64, 256),
+                                         (16, 4, 4, 1, 128, 1000), (1, 2, 2, 1, 64, 1)])
+def test_gpu_decoding_kernel_equals_the_forward_tile(platform, dtype, T, N, K, G, H, S):
+  """The decoding kernel's float32 parts against the forward tile's (both round P to the
+  inputs' dtype for P V, at different maxima: they differ by that rounding, a few units of the
+  dtype's last place of the output's scale) and its lse (float32 sums of the same
+  exponentials), with rows packed as the split packs them, keys not a multiple of a block."""
+  q, k, v = _inputs(2, T, S, N, K, H, dtype, seed=5)
+  if T > 1 and G > 1:
+    rows, groups = q, G
+  else:
+    rows = jnp.swapaxes(q.reshape(2, T, K, G, H), 2, 3).reshape(2, T * G, K, H)
+    groups = 1
+  tile = _config.SM90_FORWARD.tile_for(H, T * G)
+  out, lse = _decode_forward_call(rows, k, v, query_groups=groups)
+  want_out, want_lse = jax.jit(functools.partial(
+      _primitive._forward_call, PLAIN, gpu_tile=tile, query_groups=groups, parts=True))(
+          rows, k, v, None, None, None, None, None, None)
+  eps = float(jnp.finfo(dtype).eps)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=0,
+                             atol=4 * eps * float(jnp.max(jnp.abs(want_out))))
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_decoding_kernel_refuses_calls_it_does_not_take(platform):
+  """The handler refuses, naming the decoding forward, what that kernel does not take: a
+  rounded output, more packed rows than its tile's, a head dim it does not list."""
+  rows = _config.SM90_DECODE.rows
+  q, k, v = _inputs(1, 1, 256, 2, 2, 128, jnp.bfloat16)
+  with pytest.raises(Exception, match="decoding forward writes a split's float32 parts only"):
+    jax.block_until_ready(_decode_forward_call(q, k, v, parts=False))
+  q, k, v = _inputs(1, rows + 1, 256, 2, 2, 128, jnp.bfloat16)
+  with pytest.raises(Exception, match="decoding forward takes at most %d" % rows):
+    jax.block_until_ready(_decode_forward_call(q, k, v))
+  q, k, v = _inputs(1, 1, 256, 2, 2, 96, jnp.bfloat16)
+  with pytest.raises(Exception, match="decoding forward has no kernel for head dim 96"):
+    jax.block_until_ready(_decode_forward_call(q, k, v))
 
 
 # --- the GPU's merge kernel --------------------------------------------------------------------

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "launch.h"
+#include "sm90_decode.h"  // generated from jax_flash/kernel_configs.json
 
 namespace jax_flash::sm90 {
 namespace {
@@ -156,6 +157,7 @@ Status RunForward(const ForwardParams& params, const LaunchContext& context) {
   Status status = CheckProblem(params, "forward", kForwardFeatures, kForwardMaxHeadDim,
                                {&params.q, &params.k, &params.v, &params.out});
   if (!status.ok()) return status;
+  if (params.block_m == kForwardDecodeRows) return RunDecodeForward(params, context);
   // Tiles are listed by ascending head dim: the first head dim that covers the problem's runs
   // it, on the tile Python chose by its preferences (Kernel.tile_for, block_m), else on the
   // head dim's default.

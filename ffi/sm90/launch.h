@@ -111,6 +111,12 @@ constexpr bool forward_tile_prefers_segment_ids(int head_dim) {
 //! require (dtype, head dim, alignment) and reports CUDA errors.
 Status RunForward(const ForwardParams& params, const LaunchContext& context);
 
+//! Runs a split's forward (ForwardParams::out in float32) of at most kForwardDecodeRows
+//! (sm90_decode.h) packed query rows on the decoding kernel (kernel_fwd_decode.h), which the
+//! forward call asks for with block_m = kForwardDecodeRows (jax_flash/_config.py,
+//! Sm90DecodeKernel); head dims, features and strides it does not take are refused.
+Status RunDecodeForward(const ForwardParams& params, const LaunchContext& context);
+
 //! The workspace layout of the backward of `params` (zero bytes where it has nothing to do),
 //! with room for a bias gradient of `dbias_elements` elements (0: none wanted). Fails like
 //! RunBackward for problems the Hopper backward does not take.
