@@ -490,7 +490,7 @@ def _gpu_forward_call(config, q, k, v, bias, mask, q_len, kv_len, q_seg, kv_seg)
 
   def call(q, k, v, bias, mask, q_len, kv_len, query_groups, parts):
     # Split problems have no window (_split_kv.plan): rows are the packed query heads'. A
-    # split's short chunks of few rows run on the decoding kernel.
+    # split's chunks of few rows run on the decoding kernel at the lengths it is preferred for.
     rows = q.shape[-3] * query_groups
     if parts and _config.SM90_DECODE.runs(q.shape[-1], rows, k.shape[-3], arrays=arrays,
                                           softcap=config.softcap > 0):
