@@ -91,10 +91,10 @@ class Sm90DecodeKernel:
   def runs(self, head_dim: int, rows: int, keys: int, *, arrays: bool, softcap: bool) -> bool:
     """Whether a split's forward of `rows` packed query rows against chunks of `keys` keys runs
     on this kernel (splits take no window or segment ids, `_split_kv.plan`)."""
-    if head_dim not in self.head_dims or rows > self.rows or arrays or softcap:
+    longest = dict(self.prefer_keys_up_to)
+    if head_dim not in longest or rows > self.rows or arrays or softcap:
       return False
-    longest = dict(self.prefer_keys_up_to)[head_dim]
-    return longest is None or keys <= longest
+    return longest[head_dim] is None or keys <= longest[head_dim]
 
 
 @dataclasses.dataclass(frozen=True)

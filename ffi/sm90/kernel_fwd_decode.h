@@ -38,24 +38,21 @@ struct DecodeOperand {
 };
 
 //! Where the kernel reads and writes. Rows are the packed query rows r = t*G + g of key/value
-//! head k (query row t of head k*G + g; G = 2^group_shift, or G = 1), stepping by row_stride
-//! over t and group_stride over g; the lse is laid out as the call's (items, K*G, T).
+//! head k (query row t of head k*G + g; G = 2^query_group_shift, or G = 1), stepping by
+//! row_stride over t and group_stride over g; the lse is laid out as the call's (items, K*G, T).
 struct DecodeForwardParams {
+  //! Sizes (seqlen_q: the packed rows T*G, at most kDecodeRows), the group shift, the lengths
+  //! (q_seqlens in packed rows) and the batch axes, as the forward tiles read them.
+  AttentionProblem problem;
   const void* q;
   const void* k;
   const void* v;
   float* out;  //!< the float32 part of each item
   float* lse;  //!< natural-log units
-  const int32_t* kv_lengths;  //!< per item, or nullptr: every item's keys whole
-  const int32_t* q_lengths;   //!< live packed rows per item, or nullptr: all
-  DeviceBatch batch;
-  DecodeOperand q_item, k_item, v_item, out_item, lse_item, q_lengths_item, kv_lengths_item;
+  DecodeOperand q_item, k_item, v_item, out_item, lse_item;
   int64_t q_head_stride, q_row_stride, q_group_stride;
   int64_t k_head_stride, k_key_stride, v_head_stride, v_key_stride;
   int64_t out_head_stride, out_row_stride, out_group_stride;
-  int32_t rows;         //!< packed rows T*G, at most kDecodeRows
-  int32_t group_shift;
-  int32_t keys;         //!< per item, at most the lengths
   float scale_log2;
 };
 
@@ -130,21 +127,15 @@ __global__ void __launch_bounds__(kDecodeThreads)
 
   const int thread = threadIdx.x, warp = thread / 32, lane = thread % 32;
   const int32_t item = blockIdx.x, head = blockIdx.y;
-  const int keys = p.kv_lengths == nullptr
-                       ? p.keys
-                       : min(p.keys, max(0, p.kv_lengths[p.kv_lengths_item.batch(p.batch, item) *
-                                                         p.kv_lengths_item.item_stride]));
-  const int live_rows =
-      p.q_lengths == nullptr
-          ? p.rows
-          : min(p.rows, max(0, p.q_lengths[p.q_lengths_item.batch(p.batch, item) *
-                                           p.q_lengths_item.item_stride]));
-  const int group_mask = (1 << p.group_shift) - 1;
+  const AttentionProblem& problem = p.problem;
+  const SeqLengths lengths(problem, item);
+  const int keys = lengths.kv_len, live_rows = lengths.q_len;
+  const int group_shift = problem.query_group_shift, group_mask = (1 << group_shift) - 1;
   const int blocks = (keys + kDecodeBlockKeys - 1) / kDecodeBlockKeys;
 
   // Q: every thread a share of the rows' 16-byte chunks; rows past the live ones read as zeros.
   const Element* q = static_cast<const Element*>(p.q) +
-                     p.q_item.batch(p.batch, item) * p.q_item.item_stride +
+                     p.q_item.batch(problem.batch, item) * p.q_item.item_stride +
                      head * p.q_head_stride;
   static_assert(kDecodeRows * kRowChunks % kDecodeThreads == 0, "whole chunks per thread");
   CUTE_UNROLL
@@ -152,7 +143,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     const int i = thread + j * kDecodeThreads;
     const int row = i / kRowChunks, column = (i % kRowChunks) * kChunkElements;
     const bool live = row < live_rows;
-    const Element* src = live ? q + (row >> p.group_shift) * p.q_row_stride +
+    const Element* src = live ? q + (row >> group_shift) * p.q_row_stride +
                                     (row & group_mask) * p.q_group_stride + column
                               : q;
     cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<Chunk>::copy(
@@ -165,10 +156,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
   // the last block, so that every wait counts the same groups). Keys past the length read as
   // zeros: their V rows meet zero weights.
   const Element* k_head = static_cast<const Element*>(p.k) +
-                          p.k_item.batch(p.batch, item) * p.k_item.item_stride +
+                          p.k_item.batch(problem.batch, item) * p.k_item.item_stride +
                           head * p.k_head_stride;
   const Element* v_head = static_cast<const Element*>(p.v) +
-                          p.v_item.batch(p.batch, item) * p.v_item.item_stride +
+                          p.v_item.batch(problem.batch, item) * p.v_item.item_stride +
                           head * p.v_head_stride;
   auto load_keys = [&](const Element* base, int64_t key_stride,
                        Element (&buffer)[kDecodeWarpKeys][Storage::kRowElements], int block) {
@@ -358,7 +349,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   constexpr int kThreadsPerRow = kDecodeThreads / kDecodeRows;
   constexpr int kColumnsPerThread = kHeadDim / kThreadsPerRow;
   const int row = thread / kThreadsPerRow;
-  if (row >= p.rows) return;
+  if (row >= problem.seqlen_q) return;
   const float m = merged_max(row);
   float sum = 0.f;
   CUTE_UNROLL
@@ -369,8 +360,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const bool empty = row >= live_rows || !(sum > 0.f);
   const float rcp = fast_rcp(sum);
   const float inv_sum = empty ? 0.f : fmaf(rcp, fmaf(-sum, rcp, 1.f), rcp);
-  const int query_row = row >> p.group_shift, member = row & group_mask;
-  float* out = p.out + p.out_item.batch(p.batch, item) * p.out_item.item_stride +
+  const int query_row = row >> group_shift, member = row & group_mask;
+  float* out = p.out + p.out_item.batch(problem.batch, item) * p.out_item.item_stride +
                head * p.out_head_stride + query_row * p.out_row_stride +
                member * p.out_group_stride;
   const int first_column = (thread % kThreadsPerRow) * kColumnsPerThread;
@@ -391,8 +382,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   if (thread % kThreadsPerRow == 0) {
     // The call's lse layout: row t*G + g of head k at (k*G + g, t).
     constexpr float kLn2 = 0.69314718055994530942f;
-    const int query_rows = p.rows >> p.group_shift;
-    p.lse[p.lse_item.batch(p.batch, item) * p.lse_item.item_stride + head * p.rows +
+    const int query_rows = problem.seqlen_q >> group_shift;
+    p.lse[p.lse_item.batch(problem.batch, item) * p.lse_item.item_stride + head * problem.seqlen_q +
           member * query_rows + query_row] =
         empty ? -INFINITY : (m * p.scale_log2 + fast_log2(sum)) * kLn2;
   }

@@ -233,6 +233,31 @@ inline int64_t packed_query_row_stride(const Operand& op, const AttentionShape& 
   return s.num_heads * op.stride[1];
 }
 
+//! The strides of rows t*G + g of q or out (ForwardParams::query_groups = G): over the query
+//! rows t and over the G heads g of a group (G = 1: plain rows, no group stride).
+struct PackedRowStrides {
+  int64_t query_row;
+  int64_t group_row;
+};
+inline PackedRowStrides packed_row_strides(const Operand& op, const AttentionShape& s,
+                                           int64_t groups) {
+  if (groups > 1) return {packed_query_row_stride(op, s), op.stride[0]};
+  return {op.stride[0], 0};
+}
+
+//! The shift of G = 2^shift packed query heads per group (ForwardParams::query_groups; 0 for
+//! G = 1), into `shift`; other G are refused.
+inline Status query_group_shift(int64_t groups, int32_t* shift) {
+  if (groups > 1 && (groups & (groups - 1)) != 0) {
+    return Status::InvalidArgument("jax_flash: packed query heads of several query rows need "
+                                   "a power of two of heads per group, got " +
+                                   std::to_string(groups));
+  }
+  *shift = 0;
+  while ((int64_t(1) << *shift) < groups) ++*shift;
+  return Status::Ok();
+}
+
 //! A TMA descriptor of q or out under packed query heads of several query rows
 //! (ForwardParams::query_groups = G): the call's (T, K*G, H) as (H, G, T, K, own items), boxes
 //! of 64 columns (the 128-byte swizzle's width, a column block of the tiles' shared layouts) by

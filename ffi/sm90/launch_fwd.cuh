@@ -64,9 +64,9 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
     parts.data = static_cast<float*>(p.out.data);
     parts.item_stride = p.out.batch_stride;
     parts.head_stride = p.out.stride[1];
-    parts.query_row_stride =
-        p.query_groups > 1 ? packed_query_row_stride(p.out, s) : p.out.stride[0];
-    parts.group_row_stride = p.query_groups > 1 ? p.out.stride[0] : 0;
+    const PackedRowStrides rows = packed_row_strides(p.out, s, p.query_groups);
+    parts.query_row_stride = rows.query_row;
+    parts.group_row_stride = rows.group_row;
     parts.head_dim = int32_t(s.head_dim);
   } else {
     epilogue.o = sequence_tensor<Element>(p.out, s.seqlen_q, s.num_heads, s.head_dim, s.batch);
@@ -75,15 +75,11 @@ Status launch_forward(const ForwardParams& p, const LaunchContext& context) {
   if (p.query_groups > 1) {
     // Rows t*G + g have two strides: q and out move through descriptors of their own.
     const int64_t groups = p.query_groups;
-    if ((groups & (groups - 1)) != 0) {
-      return Status::InvalidArgument("jax_flash: packed query heads of several query rows need "
-                                     "a power of two of heads per group, got " +
-                                     std::to_string(groups));
+    status = query_group_shift(groups, &kp.problem.query_group_shift);
+    if (status.ok()) {
+      status = make_query_groups_tma<Element>(p.q, s, groups, Traits::kBlockM,
+                                              &kp.mainloop_groups.q);
     }
-    int32_t& shift = kp.problem.query_group_shift;
-    while ((int64_t(1) << shift) < groups) ++shift;
-    status = make_query_groups_tma<Element>(p.q, s, groups, Traits::kBlockM,
-                                            &kp.mainloop_groups.q);
     if (status.ok() && !float_parts) {
       status = make_query_groups_tma<Element>(
           p.out, s, groups, size<0>(typename Traits::OutputTileShape{}), &kp.epilogue_groups.o);

@@ -4,7 +4,6 @@
            per dtype, head dim that kernel_configs.json lists for it and key buffer count (one
            for chunks of at most kDecodeShortChunkBlocks key blocks, two for longer ones).
 */
-#include <climits>
 #include <string>
 #include <type_traits>
 
@@ -56,17 +55,14 @@ Status CheckDecode(const ForwardParams& p, int head_dim) {
       p.bias.present() || p.mask_bits.present() || p.q_segment_ids.present()) {
     return refuse("takes no soft-capping, window, mask or bias array or segment ids");
   }
-  if (s.seqlen_k > INT32_MAX || s.num_kv_heads > 65535 || s.batch.count() > INT32_MAX) {
-    return refuse("takes fewer than 2^31 keys and items and at most 65535 key/value heads");
+  // Keys and items below 2^31: RunForward's checks. The key/value heads are the grid's y.
+  if (s.num_kv_heads > 65535) {
+    return refuse("takes at most 65535 key/value heads");
   }
   const int64_t element_bytes = 2;
   if (!TakesStrides(p.q, element_bytes) || !TakesStrides(p.k, element_bytes) ||
       !TakesStrides(p.v, element_bytes) || !TakesStrides(p.out, sizeof(float))) {
     return refuse("needs 16-byte aligned strides and a contiguous head dim");
-  }
-  if (p.query_groups > 1 && (p.query_groups & (p.query_groups - 1)) != 0) {
-    return refuse("packs a power of two of query heads per group, got " +
-                  std::to_string(p.query_groups));
   }
   return Status::Ok();
 }
@@ -80,42 +76,38 @@ Status LaunchDecode(const ForwardParams& p, const LaunchContext& context) {
   if (items * s.num_kv_heads * s.seqlen_q == 0) return Status::Ok();
 
   DecodeForwardParams dp;
+  dp.problem = make_problem(p);
+  status = query_group_shift(p.query_groups, &dp.problem.query_group_shift);
+  if (!status.ok()) return status;
   dp.q = p.q.data;
   dp.k = p.k.data;
   dp.v = p.v.data;
   dp.out = static_cast<float*>(p.out.data);
   dp.lse = static_cast<float*>(p.lse.data);
-  dp.q_lengths = static_cast<const int32_t*>(p.q_seqlens.data);
-  dp.kv_lengths = static_cast<const int32_t*>(p.kv_seqlens.data);
   coalesce_batch(s.batch,
                  {&p.q.batch, &p.k.batch, &p.v.batch, &p.out.batch, &p.lse.batch,
                   &p.q_seqlens.batch, &p.kv_seqlens.batch},
-                 &dp.batch,
+                 &dp.problem.batch,
                  {&dp.q_item.batch, &dp.k_item.batch, &dp.v_item.batch, &dp.out_item.batch,
-                  &dp.lse_item.batch, &dp.q_lengths_item.batch, &dp.kv_lengths_item.batch});
+                  &dp.lse_item.batch, &dp.problem.q_seqlens_batch,
+                  &dp.problem.kv_seqlens_batch});
   dp.q_item.item_stride = p.q.batch_stride;
   dp.k_item.item_stride = p.k.batch_stride;
   dp.v_item.item_stride = p.v.batch_stride;
   dp.out_item.item_stride = p.out.batch_stride;
   dp.lse_item.item_stride = p.lse.batch_stride;
-  dp.q_lengths_item.item_stride = p.q_seqlens.batch_stride;
-  dp.kv_lengths_item.item_stride = p.kv_seqlens.batch_stride;
-  // Packed query heads of several query rows step by two strides (ForwardParams::query_groups).
-  const bool groups = p.query_groups > 1;
+  const PackedRowStrides q_rows = packed_row_strides(p.q, s, p.query_groups);
+  const PackedRowStrides out_rows = packed_row_strides(p.out, s, p.query_groups);
   dp.q_head_stride = p.q.stride[1];
-  dp.q_row_stride = groups ? packed_query_row_stride(p.q, s) : p.q.stride[0];
-  dp.q_group_stride = groups ? p.q.stride[0] : 0;
+  dp.q_row_stride = q_rows.query_row;
+  dp.q_group_stride = q_rows.group_row;
   dp.out_head_stride = p.out.stride[1];
-  dp.out_row_stride = groups ? packed_query_row_stride(p.out, s) : p.out.stride[0];
-  dp.out_group_stride = groups ? p.out.stride[0] : 0;
+  dp.out_row_stride = out_rows.query_row;
+  dp.out_group_stride = out_rows.group_row;
   dp.k_head_stride = p.k.stride[1];
   dp.k_key_stride = p.k.stride[0];
   dp.v_head_stride = p.v.stride[1];
   dp.v_key_stride = p.v.stride[0];
-  dp.rows = int32_t(s.seqlen_q);
-  dp.group_shift = 0;
-  while ((int64_t(1) << dp.group_shift) < p.query_groups) ++dp.group_shift;
-  dp.keys = int32_t(s.seqlen_k);
   dp.scale_log2 = kernel_scale(p) * kLog2e;
   const auto launch = [&](auto stages) {
     constexpr int kStages = decltype(stages)::value;
